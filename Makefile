@@ -1,0 +1,22 @@
+# The two commands of the README. Both install what they need first (scripts/bootstrap.sh).
+PY := .venv/bin/python
+
+.PHONY: install run test lint bench sim
+
+install:
+	@bash scripts/bootstrap.sh
+
+run: install
+	$(PY) -m gateway.cli serve $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	.venv/bin/ruff check .
+
+bench: install
+	$(PY) -m gateway.cli bench engine
+
+sim: install
+	$(PY) -m gateway.cli sim $(ARGS)

@@ -1,0 +1,53 @@
+"""Chained block hashes: the one function shared by the engine (cache keys) and the router
+(lookups in Redis). The spec and golden vectors live in docs/block-hashing.md.
+
+h_seed = xxh64(b"prefixgate/v1\\0" + model_id + b"\\0" + cache_salt)
+h_i    = xxh64(h_{i-1} as 8 bytes little-endian + token ids of block i as uint32 little-endian)
+
+Chaining makes a block's key stand for the whole prefix up to it, because the K/V of a
+position depends on every token before it. Only full blocks are hashed.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import xxhash
+
+HASH_DOMAIN = b"prefixgate/v1\x00"
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def chain_seed(model_id: str, cache_salt: str | None = None) -> int:
+    """Root of every chain: equal only for the same model and the same tenant salt."""
+    data = HASH_DOMAIN + model_id.encode() + b"\x00" + (cache_salt or "").encode()
+    return xxhash.xxh64_intdigest(data)
+
+
+def hash_block(parent: int, token_ids: Sequence[int]) -> int:
+    """Key of one block given the key of the block before it (or the chain seed)."""
+    payload = parent.to_bytes(8, "little") + struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return xxhash.xxh64_intdigest(payload)
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    seed: int,
+    start: int = 0,
+    parent: int | None = None,
+) -> list[int]:
+    """Hashes of the full blocks of `token_ids`, beginning at block index `start`.
+
+    `parent` is the hash of block `start - 1` (or the seed when start == 0); passing it lets
+    callers extend a chain incrementally without rehashing the whole prefix.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    h = seed if parent is None else parent
+    out: list[int] = []
+    for b in range(start, len(token_ids) // block_size):
+        h = hash_block(h, token_ids[b * block_size : (b + 1) * block_size])
+        out.append(h)
+    return out

@@ -1,0 +1,205 @@
+"""Paged block allocation with a content-addressed prefix cache.
+
+The manager owns block ids only, never tensors: the model runner keeps the K/V pool and the
+simulator runs this same class with no tensors at all. A block is in exactly one state:
+  free      ref_count == 0, no hash, in `_free`
+  cached    ref_count == 0, hashed, in `_lru` (evictable, oldest first)
+  in use    ref_count > 0 (hashed once its K/V is complete and no other block holds that hash)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from replica.block_hash import block_hashes
+
+
+class KVEventListener(Protocol):
+    """Receives cache membership changes (the replica publishes them to Redis)."""
+
+    def stored(self, hashes: list[int], positions: list[int]) -> None:
+        """Blocks became cached; positions[i] is the block index of hashes[i] in its prompt."""
+
+    def removed(self, hashes: list[int]) -> None:
+        """Cached blocks were evicted."""
+
+    def cleared(self) -> None:
+        """Every cached block was dropped."""
+
+
+@dataclass
+class BlockTable:
+    """What the manager tracks for one sequence."""
+
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained keys of the full blocks so far
+    num_registered: int = 0  # leading blocks already offered to the cache
+
+
+@dataclass
+class BlockStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when allocation is attempted without checking `can_allocate` first."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_pos = [0] * num_blocks  # block index within the prompt of a hashed block
+        self.hash_to_block: dict[int, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.listeners: list[KVEventListener] = []
+        self.stats = BlockStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks that still hold reusable K/V."""
+        return len(self._lru)
+
+    @property
+    def num_available(self) -> int:
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_available
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def cached_prefix(self, hashes: list[int], num_tokens: int) -> list[int]:
+        """Block ids of the longest cached prefix, leaving at least the last token to compute."""
+        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
+        hit: list[int] = []
+        for h in hashes[:limit]:
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def can_allocate(self, table: BlockTable, num_tokens: int) -> bool:
+        hit = self.cached_prefix(table.hashes, num_tokens)
+        # hits sitting in the LRU stop being available once we take them
+        reclaimed = sum(1 for b in hit if self.ref_count[b] == 0)
+        needed = self.blocks_needed(num_tokens) - len(hit)
+        return needed <= self.num_available - reclaimed
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate(self, table: BlockTable, num_tokens: int) -> int:
+        """Give a new sequence its blocks; returns the number of tokens served from cache."""
+        assert not table.block_ids, "sequence already holds blocks"
+        if not self.can_allocate(table, num_tokens):
+            raise NoFreeBlocksError(f"cannot fit {num_tokens} tokens")
+        hit = self.cached_prefix(table.hashes, num_tokens)
+        for block in hit:
+            self._take(block)
+        table.block_ids = hit + [self._new_block() for _ in range(self.blocks_needed(num_tokens) - len(hit))]
+        table.num_registered = len(hit)
+        self.stats.queried_tokens += num_tokens
+        self.stats.hit_tokens += len(hit) * self.block_size
+        return len(hit) * self.block_size
+
+    def can_append(self, table: BlockTable, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= len(table.block_ids) or self.num_available > 0
+
+    def append(self, table: BlockTable, num_tokens: int) -> None:
+        """Grow a running sequence's table to hold `num_tokens` tokens (decode)."""
+        while len(table.block_ids) < self.blocks_needed(num_tokens):
+            table.block_ids.append(self._new_block())
+
+    def commit(self, table: BlockTable, token_ids: list[int], num_computed: int, seed: int) -> None:
+        """Register the blocks whose K/V is now complete, so later requests can hit them."""
+        full = num_computed // self.block_size
+        if len(table.hashes) < full:
+            parent = table.hashes[-1] if table.hashes else seed
+            table.hashes += block_hashes(
+                token_ids[: full * self.block_size], self.block_size, seed, len(table.hashes), parent
+            )
+        stored: list[int] = []
+        positions: list[int] = []
+        for i in range(table.num_registered, full):
+            h, block = table.hashes[i], table.block_ids[i]
+            if h not in self.hash_to_block:  # a twin computed concurrently keeps the slot
+                self.hash_to_block[h] = block
+                self.block_hash[block] = h
+                self.block_pos[block] = i
+                stored.append(h)
+                positions.append(i)
+        table.num_registered = max(table.num_registered, full)
+        if stored:
+            for listener in self.listeners:
+                listener.stored(stored, positions)
+
+    def free(self, table: BlockTable) -> None:
+        """Release a sequence's blocks; hashed ones stay cached (tail first in LRU order)."""
+        for block in reversed(table.block_ids):
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] >= 0
+            if self.ref_count[block] == 0:
+                if self.block_hash[block] is not None:
+                    self._lru[block] = None
+                else:
+                    self._free.append(block)
+        table.block_ids = []
+        table.num_registered = 0
+
+    def clear_cache(self) -> int:
+        """Drop every unreferenced cached block (e.g. after a weight reload)."""
+        n = len(self._lru)
+        for block in list(self._lru):
+            self._unhash(block)
+            self._free.append(block)
+        self._lru.clear()
+        for listener in self.listeners:
+            listener.cleared()
+        return n
+
+    def cached_hashes(self) -> list[tuple[int, int]]:
+        """(hash, position) of every block served from this pool, for a full index resync."""
+        return [(h, self.block_pos[b]) for h, b in self.hash_to_block.items()]
+
+    # ---- internals -----------------------------------------------------------------------
+    def _take(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            del self._lru[block]
+        self.ref_count[block] += 1
+
+    def _new_block(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        elif self._lru:
+            block, _ = self._lru.popitem(last=False)
+            h = self._unhash(block)
+            self.stats.evictions += 1
+            for listener in self.listeners:
+                listener.removed([h])
+        else:
+            raise NoFreeBlocksError("block pool exhausted")
+        self.ref_count[block] = 1
+        return block
+
+    def _unhash(self, block: int) -> int:
+        h = self.block_hash[block]
+        assert h is not None
+        self.block_hash[block] = None
+        del self.hash_to_block[h]
+        return h

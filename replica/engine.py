@@ -1,0 +1,291 @@
+"""LLMEngine: the paged prefix-cache engine every replica runs.
+
+    from replica.engine import LLMEngine, SamplingParams
+    engine = LLMEngine(model=None, block_size=16, num_blocks=1024)   # None: bundled default
+    [out] = engine.generate(["What is the capital of France?"], SamplingParams(max_tokens=16))
+
+`step()` runs one batched forward pass and returns per-request deltas; `generate()` loops it.
+The async, streaming front for servers is replica.async_engine.AsyncLLMEngine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from replica.block_hash import block_hashes, chain_seed
+from replica.block_manager import BlockManager, KVEventListener
+from replica.default_model import resolve_model
+from replica.detokenizer import Detokenizer
+from replica.model_runner import ModelRunner, default_dtype
+from replica.sampler import Sampler
+from replica.sampling_params import SamplingParams
+from replica.scheduler import Scheduler, SchedulerConfig
+from replica.sequence import Sequence
+
+__all__ = ["LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "InvalidRequestError"]
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses at submission (nothing else in flight is touched)."""
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local HF model directory; None: the bundled default
+    model_id: str | None = None  # identity in block hashes; defaults to the directory name
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_bytes
+    kv_cache_bytes: int = 768 * 2**20
+    device: str = "cpu"
+    dtype: str | None = None  # "float32", "bfloat16", ...; None: float32 on CPU, bf16 on GPU
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length", "abort"
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    prompt_tokens: int
+    cached_tokens: int
+    blocks_total: int
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    evictions: int
+    preemptions: int
+    steps: int = 0
+    generated_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        config = kwargs.pop("config", None) or EngineConfig(model=model, **kwargs)
+        self.config = config
+        path = resolve_model(config.model)
+        self.model_path = Path(path)
+        self.model_id = config.model_id or self.model_path.name
+        device = torch.device(config.device)
+        dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(device)
+        shape = ModelRunner.read_shape(str(path))
+        num_blocks = config.num_blocks or max(16, config.kv_cache_bytes // shape.bytes_per_block(config.block_size, dtype))
+        self.runner = ModelRunner(str(path), block_size=config.block_size, num_blocks=num_blocks, device=device, dtype=dtype)
+        self.shape = self.runner.shape
+        self.max_model_len = min(config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings)
+        self.vocab_size = self.runner.model.get_input_embeddings().num_embeddings
+        self.tokenizer = _load_tokenizer(path)
+        self.eos_token_ids = _eos_ids(path, self.tokenizer)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
+        self.sampler = Sampler()
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.requests: dict[str, Sequence] = {}
+        self._seeds: dict[str | None, int] = {}
+        self._steps = 0
+        self._generated = 0
+
+    # ---- submission ---------------------------------------------------------------------
+    def add_listener(self, listener: KVEventListener) -> None:
+        self.blocks.listeners.append(listener)
+
+    def hash_seed(self, cache_salt: str | None = None) -> int:
+        if cache_salt not in self._seeds:
+            self._seeds[cache_salt] = chain_seed(self.model_id, cache_salt)
+        return self._seeds[cache_salt]
+
+    def tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what could never run, before it touches the scheduler."""
+        try:
+            params.validate()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model's context of {self.max_model_len} tokens"
+            )
+        if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {self.blocks.blocks_needed(total)} blocks but the pool has {self.blocks.num_blocks}"
+            )
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        seed = self.hash_seed(cache_salt)
+        seq = Sequence(token_ids, params, seed, **({"request_id": request_id} if request_id else {}))
+        if seq.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {seq.request_id}")
+        seq.table.hashes = block_hashes(token_ids, self.config.block_size, seed)
+        seq.arrival_time = time.monotonic()
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self.sampler.forget(request_id)
+        return True
+
+    # ---- stepping -----------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.runner.run(chunks)
+        self.scheduler.commit(chunks)
+        self._steps += 1
+        samplers = [c.seq for c in chunks if c.samples]
+        tokens = self.sampler.sample(logits, [(s.request_id, s.params) for s in samplers])
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for seq, token in zip(samplers, tokens, strict=True):
+            seq.token_ids.append(token)
+            self._generated += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            outputs.append(self._output(seq))
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+                self.sampler.forget(seq.request_id)
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.detokenizer.update(seq)
+            return "stop"
+        if self.detokenizer.update(seq) is not None:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = self.detokenizer.emittable(seq)
+        new_text = text[seq.emitted_text_len :]
+        seq.emitted_text_len = len(text)
+        out_ids = seq.output_token_ids
+        new_ids = out_ids[seq.emitted_tokens :]
+        seq.emitted_tokens = len(out_ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            token_ids=list(out_ids),
+            text=text,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+        )
+
+    def generate(
+        self,
+        prompts: Seq[str] | Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion together (continuous batching); one output per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise InvalidRequestError("generate() takes a list of prompts")
+        param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.add_request(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, param_list, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        b = self.blocks
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            prompt_tokens=b.stats.queried_tokens,
+            cached_tokens=b.stats.hit_tokens,
+            blocks_total=b.num_blocks,
+            blocks_used=b.num_used,
+            blocks_cached=b.num_cached,
+            blocks_free=b.num_free,
+            evictions=b.stats.evictions,
+            preemptions=self.scheduler.num_preemptions,
+            steps=self._steps,
+            generated_tokens=self._generated,
+        )
+
+
+def _load_tokenizer(path: Path):
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None  # a bare model directory: token ids in, token ids out
+
+
+def _eos_ids(path: Path, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if tokenizer is not None and tokenizer.eos_token_id is not None and not ids:
+        ids.add(tokenizer.eos_token_id)
+    return ids
