@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,9 +74,9 @@ class EngineStats:
     blocks_free: int
     evictions: int
     preemptions: int
+    pending_prefill_tokens: int = 0
     steps: int = 0
     generated_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -267,6 +267,9 @@ class LLMEngine:
             blocks_free=b.num_free,
             evictions=b.stats.evictions,
             preemptions=self.scheduler.num_preemptions,
+            pending_prefill_tokens=sum(
+                s.num_tokens - s.num_computed for s in (*self.scheduler.waiting, *self.scheduler.running)
+            ),
             steps=self._steps,
             generated_tokens=self._generated,
         )

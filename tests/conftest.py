@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random models of several families, and the real default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def _tiny_config(family: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family]
+    if family == "qwen3":
+        common["head_dim"] = 16
+    return cls(**common)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """Randomly initialised, seeded models saved to disk (the engine loads from a directory)."""
+    from transformers import AutoModelForCausalLM
+
+    dirs = {}
+    for family in TINY_FAMILIES:
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(_tiny_config(family))
+        path = tmp_path_factory.mktemp(f"tiny-{family}")
+        model.save_pretrained(path)
+        dirs[family] = str(path)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    from replica.default_model import default_model_dir as locate
+
+    return str(locate())
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, attn_implementation="sdpa").eval()
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
+    """Plain transformers greedy decoding: the ground truth the engine must match."""
+    kwargs = {} if stop_at_eos else {"eos_token_id": None}
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+        pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs,
+    )
+    return out[0, len(prompt):].tolist()
