@@ -118,7 +118,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:

@@ -1,0 +1,84 @@
+"""Builds the Ray Serve application: Gateway (ingress) -> PrefixCacheReplica x N, with the
+request router chosen by policy name."""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from gateway.config import AppConfig
+from gateway.server import Gateway
+from replica.default_model import resolve_model
+from replica.deployment import PrefixCacheReplica, ReplicaSettings
+from replica.engine import EngineConfig
+
+OUR_POLICIES = ("affinity", "prefix", "session", "random", "least-loaded")
+RAY_ROUTERS = {
+    "pow2": None,  # Ray Serve's default: power of two choices on queue length
+    "ray-prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",
+    "ray-session": "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
+}
+POLICY_NAMES = (*OUR_POLICIES, *RAY_ROUTERS)
+
+
+def router_config(config: AppConfig, model_id: str) -> RequestRouterConfig | None:
+    if config.policy in OUR_POLICIES:
+        return RequestRouterConfig(
+            request_router_class="router.ray_router.PrefixGateRouter",
+            request_router_kwargs={
+                "policy": config.policy,
+                "model_id": model_id,
+                "block_size": config.block_size,
+                "publish_depth": config.publish_depth,
+                "redis_url": config.redis_url,
+                "key_prefix": config.key_prefix,
+                "redis_timeout_s": config.redis_timeout_s,
+                "session_ttl_s": config.session_ttl_s,
+                "seed": config.seed,
+            },
+        )
+    if config.policy in RAY_ROUTERS:
+        cls = RAY_ROUTERS[config.policy]
+        return RequestRouterConfig(request_router_class=cls) if cls else None
+    raise ValueError(f"unknown policy {config.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+
+
+def build_app(config: AppConfig) -> serve.Application:
+    model_dir = resolve_model(config.model)  # converts the bundled model once, before replicas start
+    model_id = config.model_name or model_dir.name
+    engine = EngineConfig(
+        model=str(model_dir),
+        model_id=model_id,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        kv_cache_bytes=config.kv_cache_mb * 2**20,
+        device=config.device,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len,
+    )
+    settings = ReplicaSettings(engine, config.redis_url, config.key_prefix, config.publish_depth, config.torch_threads)
+    actor_options = {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus}
+    if config.replica_resources:
+        actor_options["resources"] = dict(config.replica_resources)
+    options = dict(
+        name="PrefixCacheReplica",
+        num_replicas=config.replicas,
+        ray_actor_options=actor_options,
+        max_ongoing_requests=config.max_ongoing_requests,
+        health_check_period_s=2,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=5,
+    )
+    rc = router_config(config, model_id)
+    if rc is not None:
+        options["request_router_config"] = rc
+    replica = serve.deployment(PrefixCacheReplica, **options)
+    gateway = Gateway.options(ray_actor_options={"num_cpus": config.gateway_num_cpus}, max_ongoing_requests=1000)
+    app_settings = {**config.to_dict(), "model": str(model_dir), "model_name": model_id}
+    return gateway.bind(replica.bind(settings.to_dict()), app_settings)
+
+
+def app_builder(args: dict) -> serve.Application:
+    """Entry for `serve run gateway.app:app_builder key=value ...` and Serve config files."""
+    return build_app(AppConfig.from_dict(args))

@@ -1,0 +1,134 @@
+"""The `prefixgate` command: serve, chat, bench, sim, loadtest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from gateway.config import AppConfig
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    d = AppConfig()
+    p.add_argument("--model", default=None, help="local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model-name", default=None, help="served model name (default: the directory name)")
+    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument("--policy", default=d.policy, help="affinity | prefix | session | random | least-loaded | pow2 | ray-prefix | ray-session")
+    p.add_argument("--redis-url", default=None, help="Redis to use (default: $REDIS_URL, else start a local one)")
+    p.add_argument("--key-prefix", default=d.key_prefix)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-blocks", type=int, default=None, help="K/V blocks per replica (default: from --kv-cache-mb)")
+    p.add_argument("--kv-cache-mb", type=int, default=d.kv_cache_mb)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--replica-cpus", type=float, default=d.replica_num_cpus)
+    p.add_argument("--replica-gpus", type=float, default=d.replica_num_gpus)
+    p.add_argument("--max-ongoing-requests", type=int, default=d.max_ongoing_requests)
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    p.add_argument("--api-keys", default=None, help="JSON file mapping API key -> tenant; enables 401 for others")
+    p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+
+
+def config_from_args(args: argparse.Namespace) -> AppConfig:
+    import os
+
+    api_keys = {}
+    if args.api_keys:
+        with open(args.api_keys) as f:
+            api_keys = json.load(f)
+    return AppConfig(
+        model=args.model, model_name=args.model_name, replicas=args.replicas, policy=args.policy,
+        redis_url=args.redis_url or os.environ.get("REDIS_URL") or "auto", key_prefix=args.key_prefix,
+        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_mb=args.kv_cache_mb,
+        max_model_len=args.max_model_len, device=args.device, replica_num_cpus=args.replica_cpus,
+        replica_num_gpus=args.replica_gpus, max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests, api_keys=api_keys,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import httpx
+
+    from gateway.stack import LocalStack
+
+    config = config_from_args(args)
+    print(f"[prefixgate] starting: {config.replicas} replicas, policy {config.policy}, port {args.port}", flush=True)
+    stack = LocalStack(config, port=args.port, host=args.host, ray_address=args.ray_address)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stack.start()
+        name = httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"]
+        print(f"\n[prefixgate] serving {name} at {stack.url}/v1  (Redis: {stack.config.redis_url})")
+        print("[prefixgate] try:\n"
+              f"  curl {stack.url}/v1/chat/completions -H 'content-type: application/json' -H 'x-session-id: demo' \\\n"
+              f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'")
+        demo = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            json={"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32},
+            headers={"x-session-id": "demo"}, timeout=120,
+        ).json()
+        print(f"[prefixgate] demo answer: {demo['choices'][0]['message']['content']!r}  usage: {demo['usage']}")
+        print("[prefixgate] serving until Ctrl-C", flush=True)
+        if args.exit_after_demo:
+            return 0
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("[prefixgate] shutting down", flush=True)
+        stack.stop()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from gateway.chat_client import run_chat
+
+    return run_chat(args.url, args.session)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="bring up Redis, Ray, replicas and the gateway locally")
+    _serve_args(p)
+    p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("chat", help="terminal chat against a running gateway (shows cached tokens per turn)")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--session", default=None)
+    p.set_defaults(fn=cmd_chat)
+    p = sub.add_parser("bench", help="benchmarks (engine)")
+    p.add_argument("what", choices=["engine", "router"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=lambda a: _delegate(f"bench_{a.what}", a.rest))
+    p = sub.add_parser("sim", help="replay a trace through simulated replicas, policy against policy", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=lambda a: _delegate("sim", a.rest))
+    p = sub.add_parser("loadtest", help="Locust load tests against the gateway", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=lambda a: _delegate("loadtest", a.rest))
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+def _delegate(name: str, rest: list[str]) -> int:
+    if name == "sim":
+        from router.sim.cli import main as entry
+    elif name == "loadtest":
+        from loadtest.cli import main as entry
+    elif name == "bench_engine":
+        from replica.bench import main as entry
+    else:
+        from router.bench import main as entry
+    return entry(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""One dataclass of settings for the whole app: CLI flags, Serve config args and tests share it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class AppConfig:
+    model: str | None = None  # local HF model directory; None: bundled SmolLM2-135M-Instruct
+    model_name: str | None = None  # served name (and block-hash identity); default: directory name
+    replicas: int = 2
+    policy: str = "affinity"  # affinity | prefix | session | random | pow2 | ray-prefix | ray-session
+    redis_url: str | None = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "prefixgate"
+    block_size: int = 16
+    num_blocks: int | None = None  # per replica; None: kv_cache_mb below
+    kv_cache_mb: int = 512
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = 4096
+    publish_depth: int = 64
+    replica_num_cpus: float = 0.5
+    replica_num_gpus: float = 0.0
+    replica_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"replica_node": 0.01}
+    device: str = "cpu"
+    torch_threads: int = 1
+    max_ongoing_requests: int = 32  # per replica, in flight at once (Ray Serve's bound)
+    max_queued_requests: int = 64  # beyond replicas * max_ongoing: 429 with Retry-After
+    default_max_tokens: int = 256
+    max_body_bytes: int = 4 * 2**20
+    api_keys: dict[str, str] = field(default_factory=dict)  # API key -> tenant (each its own cache salt)
+    redis_timeout_s: float = 0.02
+    session_ttl_s: int = 1800
+    seed: int | None = None
+    gateway_num_cpus: float = 0.25
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> AppConfig:
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown settings: {sorted(unknown)}; valid: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

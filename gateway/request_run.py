@@ -1,0 +1,170 @@
+"""One admitted request: its n replica streams, usage accounting, JSON or SSE rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from gateway import metrics as m
+from gateway.errors import APIError
+
+
+class RequestRun:
+    """One admitted request: its n replica streams and the bookkeeping around them."""
+
+    def __init__(self, gw, body, streams, chat: bool, arrival: float, prompt_tokens: int) -> None:
+        self.gw, self.body, self.streams, self.chat, self.arrival = gw, body, streams, chat, arrival
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.first: list[list[dict]] = []
+        self.replica = None
+        self.route = None
+        self.ends: dict[int, dict] = {}
+        self._closed = False
+        self._first_token_seen = False
+
+    async def start(self) -> dict[str, str]:
+        """Read each stream up to its first token (or end/error) so headers name the replica."""
+        for stream in self.streams:
+            head = []
+            async for chunk in stream:
+                head.append(chunk)
+                if chunk["type"] == "start":
+                    self.replica = self.replica or chunk["replica"]
+                    self.route = self.route or chunk.get("route")
+                    continue
+                break
+            error = next((c for c in head if c["type"] == "error"), None)
+            if error is not None:
+                raise APIError(error["code"], error["message"], "invalid_request_error" if error["code"] < 500 else "server_error")
+            self.first.append(head)
+        self._mark_first_token()
+        reason = (self.route or {}).get("reason") or (self.gw.config.policy if self.route is None else "unknown")
+        m.ROUTES.labels(self.replica or "unknown", reason).inc()
+        return {"x-prefixgate-replica": self.replica or "unknown", "x-prefixgate-route": reason}
+
+    def _mark_first_token(self) -> None:
+        if not self._first_token_seen:
+            self._first_token_seen = True
+            m.TTFT.observe(time.monotonic() - self.arrival)
+
+    async def _chunks(self, index: int) -> AsyncIterator[dict]:
+        for chunk in self.first[index]:
+            if chunk["type"] != "start":
+                yield chunk
+        async for chunk in self.streams[index]:
+            if chunk["type"] != "start":
+                yield chunk
+
+    async def _merged(self) -> AsyncIterator[tuple[int, dict]]:
+        if len(self.streams) == 1:
+            async for chunk in self._chunks(0):
+                yield 0, chunk
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for chunk in self._chunks(i):
+                    await queue.put((i, chunk))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
+        try:
+            done = 0
+            while done < len(tasks):
+                i, chunk = await queue.get()
+                if chunk is None:
+                    done += 1
+                else:
+                    yield i, chunk
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _account(self, index: int, end: dict) -> None:
+        self.ends[index] = end
+        replica = self.replica or "unknown"
+        if index == 0:
+            m.PROMPT_TOKENS.labels(replica).inc(end["prompt_tokens"])
+            m.CACHED_TOKENS.labels(replica).inc(end["cached_tokens"])
+        m.COMPLETION_TOKENS.labels(replica).inc(end["completion_tokens"])
+
+    def usage(self) -> dict:
+        completion = sum(e["completion_tokens"] for e in self.ends.values())
+        cached = self.ends[0]["cached_tokens"] if 0 in self.ends else 0
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    async def collect(self) -> dict:
+        texts = [""] * len(self.streams)
+        reasons: list[str | None] = [None] * len(self.streams)
+        async for i, chunk in self._merged():
+            if chunk["type"] == "delta":
+                texts[i] += chunk["text"]
+            elif chunk["type"] == "end":
+                reasons[i] = chunk["finish_reason"]
+                self._account(i, chunk)
+            elif chunk["type"] == "error":
+                raise APIError(chunk["code"], chunk["message"], "server_error")
+        m.E2E.observe(time.monotonic() - self.arrival)
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": None}
+                       for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
+            obj = "chat.completion"
+        else:
+            choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": None}
+                       for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.gw.model_name,
+                "choices": choices, "usage": self.usage(),
+                "prefixgate": {"replica": self.replica, "route": self.route}}
+
+    def _sse(self, choices: list[dict], usage: dict | None = None) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        payload = {"id": self.id, "object": obj, "created": self.created, "model": self.gw.model_name, "choices": choices}
+        if usage is not None:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def sse(self) -> AsyncIterator[str]:
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        try:
+            if self.chat:
+                for i in range(len(self.streams)):
+                    yield self._sse([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            async for i, chunk in self._merged():
+                if chunk["type"] == "delta" and chunk["text"]:
+                    piece = {"delta": {"content": chunk["text"]}} if self.chat else {"text": chunk["text"]}
+                    yield self._sse([{"index": i, **piece, "finish_reason": None, "logprobs": None}])
+                elif chunk["type"] == "end":
+                    self._account(i, chunk)
+                    piece = {"delta": {}} if self.chat else {"text": ""}
+                    yield self._sse([{"index": i, **piece, "finish_reason": chunk["finish_reason"], "logprobs": None}])
+                elif chunk["type"] == "error":
+                    err = APIError(chunk["code"], chunk["message"], "server_error")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    break
+            if include_usage and len(self.ends) == len(self.streams):
+                yield self._sse([], usage=self.usage())
+            m.E2E.observe(time.monotonic() - self.arrival)
+            yield "data: [DONE]\n\n"
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.gw.in_flight -= len(self.streams)
+            m.IN_FLIGHT.set(self.gw.in_flight)
+            for s in self.streams:
+                asyncio.ensure_future(s.aclose())

@@ -1,0 +1,234 @@
+"""The OpenAI-compatible HTTP front, as the Ray Serve ingress deployment.
+
+It applies the chat template and tokenises once, validates everything it can before a replica
+sees the request (so bad input is a 4xx, never a 500 or a hang), admits up to a queue bound
+(beyond it: 429 with Retry-After), and streams the replica's tokens back as SSE. A replica
+that dies before sending a token is retried on another; one that dies mid-stream ends the
+stream with an error chunk.
+"""
+
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from gateway import metrics as m
+from gateway.config import AppConfig
+from gateway.errors import APIError, bad_request
+from gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.request_run import RequestRun
+from gateway.tokenization import PromptBuilder
+from replica.protocol import GenerateRequest
+
+log = logging.getLogger("prefixgate.gateway")
+MAX_ATTEMPTS = 3
+
+app = FastAPI(title="prefixgate", description="OpenAI-compatible gateway with prefix-cache-aware routing")
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return bad_request(_describe(exc.errors())).response()
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error")
+    return APIError(500, "internal error", "server_error").response()
+
+
+def _describe(errors) -> str:
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    return f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+
+
+def _schema(model) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+@serve.deployment
+@serve.ingress(app)
+class Gateway:
+    def __init__(self, replicas: DeploymentHandle, config: dict) -> None:
+        self.config = AppConfig.from_dict(config)
+        self.replicas = replicas
+        self.prompts = PromptBuilder(self.config)
+        self.model_name = self.prompts.model_name
+        self.in_flight = 0
+        self.capacity = self.config.replicas * self.config.max_ongoing_requests + self.config.max_queued_requests
+        self._redis = None
+
+    # ---- plumbing -------------------------------------------------------------------------
+    async def _parse(self, request: Request, schema):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > self.config.max_body_bytes:
+            raise APIError(413, f"request body over {self.config.max_body_bytes} bytes", code="body_too_large")
+        raw = await request.body()
+        if len(raw) > self.config.max_body_bytes:
+            raise APIError(413, f"request body over {self.config.max_body_bytes} bytes", code="body_too_large")
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise bad_request("request body is not valid JSON (UTF-8)") from None
+        if not isinstance(data, dict):
+            raise bad_request("request body must be a JSON object")
+        try:
+            body = schema.model_validate(data)
+        except ValidationError as e:
+            raise bad_request(_describe(e.errors())) from None
+        except RecursionError:
+            raise bad_request("request body is nested too deeply") from None
+        if body.model != self.model_name:
+            raise APIError(404, f"model '{body.model}' does not exist; this gateway serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        bad = body.unsupported()
+        if bad:
+            raise bad_request(f"{bad} is not supported by this server", param=bad)
+        return body
+
+    def _tenant(self, request: Request) -> str | None:
+        if not self.config.api_keys:
+            return None
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        tenant = self.config.api_keys.get(key)
+        if tenant is None:
+            raise APIError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
+        return tenant
+
+    def _admit(self, n: int) -> None:
+        if self.in_flight + n > self.capacity:
+            m.REJECTED.inc()
+            raise APIError(429, "replicas are saturated; retry shortly", "rate_limit_error",
+                           code="server_overloaded", headers={"Retry-After": "1"})
+
+    async def _replica_stream(self, req: GenerateRequest) -> AsyncIterator[dict]:
+        """Chunks from one replica; retried elsewhere if a replica fails before its first token."""
+        handle = self.replicas.options(stream=True, **({"session_id": req.session_id} if req.session_id else {}))
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            started = False
+            gen = handle.generate.remote(req)
+            try:
+                async for chunk in gen:
+                    if chunk["type"] != "start":
+                        started = True
+                    yield chunk
+                return
+            except (ray.exceptions.RayError, serve.exceptions.BackPressureError) as e:
+                if started or attempt == MAX_ATTEMPTS:
+                    log.warning("replica failed mid-request %s: %r", req.request_id, e)
+                    yield {"type": "error", "code": 503, "message": "the replica serving this request failed"}
+                    return
+                m.RETRIES.inc()
+                log.warning("replica failed before the first token of %s; retrying (%r)", req.request_id, e)
+            finally:
+                gen.cancel()  # no-op when complete; aborts the replica's work when we stop early
+
+    async def _generate(self, body, prompt_ids: list[int], prompt_text: str, session: str | None,
+                        tenant: str | None) -> list[AsyncIterator[dict]]:
+        max_tokens = self.prompts.check_length(prompt_ids, body.requested_max_tokens())
+        streams = []
+        for i in range(body.n):
+            params = {"max_tokens": max_tokens, "stop": list(body.stop or [])}
+            if body.temperature is not None:
+                params["temperature"] = body.temperature
+            if body.top_p is not None:
+                params["top_p"] = body.top_p
+            if body.top_k is not None and body.top_k > 0:
+                params["top_k"] = body.top_k
+            if body.seed is not None:
+                params["seed"] = (body.seed + i) % 2**63
+            if body.n > 1 and body.temperature is None:
+                params["temperature"] = 1.0  # n copies of a greedy answer would be identical
+            req = GenerateRequest(list(prompt_ids), params, prompt=prompt_text, session_id=session, cache_salt=tenant)
+            streams.append(self._replica_stream(req))
+        return streams
+
+    # ---- endpoints ------------------------------------------------------------------------
+    @app.post("/v1/chat/completions", openapi_extra=_schema(ChatCompletionRequest))
+    async def chat_completions(self, request: Request):
+        return await self._serve(request, ChatCompletionRequest, chat=True)
+
+    @app.post("/v1/completions", openapi_extra=_schema(CompletionRequest))
+    async def completions(self, request: Request):
+        return await self._serve(request, CompletionRequest, chat=False)
+
+    async def _serve(self, request: Request, schema, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        arrival = time.monotonic()
+        try:
+            tenant = self._tenant(request)
+            body = await self._parse(request, schema)
+            if chat:
+                prompt_ids, prompt_text = self.prompts.chat(body)
+            else:
+                prompt_ids, prompt_text = self.prompts.completion(body)
+            session = request.headers.get("x-session-id") or body.user or None
+            self._admit(body.n)
+            streams = await self._generate(body, prompt_ids, prompt_text, session, tenant)
+        except APIError as e:
+            m.REQUESTS.labels(endpoint, str(e.status)).inc()
+            raise
+        self.in_flight += body.n
+        m.IN_FLIGHT.set(self.in_flight)
+        run = RequestRun(self, body, streams, chat, arrival, len(prompt_ids))
+        try:
+            headers = await run.start()
+        except APIError as e:
+            run.close()
+            m.REQUESTS.labels(endpoint, str(e.status)).inc()
+            raise
+        except BaseException:
+            run.close()
+            raise
+        m.REQUESTS.labels(endpoint, "200").inc()
+        if body.stream:
+            return StreamingResponse(run.sse(), media_type="text/event-stream", headers=headers)
+        try:
+            return JSONResponse(await run.collect(), headers=headers)
+        finally:
+            run.close()
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "prefixgate"}]}
+
+    @app.get("/health")
+    async def health(self):
+        problems = []
+        if self.config.redis_url:
+            try:
+                if self._redis is None:
+                    from router.redis_index import connect
+
+                    self._redis = connect(self.config.redis_url, 1.0)
+                await asyncio.wait_for(self._redis.ping(), 1.0)
+            except Exception:
+                problems.append("redis unreachable")
+        try:
+            await asyncio.wait_for(self.replicas.info.remote(), 5.0)
+        except Exception:
+            problems.append("no replica answered")
+        status = 503 if problems else 200
+        return JSONResponse({"status": "unavailable" if problems else "ok", "problems": problems}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics(self):
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

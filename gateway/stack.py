@@ -1,0 +1,84 @@
+"""Brings the whole stack up on one machine: Redis (unless given), local Ray, the Serve app."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import httpx
+
+from gateway.config import AppConfig
+from gateway.local_redis import LocalRedis
+
+log = logging.getLogger("prefixgate.stack")
+APP_NAME = "prefixgate"
+
+
+class LocalStack:
+    def __init__(self, config: AppConfig, port: int = 8000, host: str = "127.0.0.1", ray_address: str | None = None) -> None:
+        self.config = config
+        self.port, self.host = port, host
+        self.ray_address = ray_address
+        self.redis: LocalRedis | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> LocalStack:
+        import ray
+        from ray import serve
+
+
+        if self.config.redis_url in (None, "", "auto"):
+            self.redis = LocalRedis().start()
+            self.config.redis_url = self.redis.url
+        if not ray.is_initialized():
+            if self.ray_address:
+                ray.init(address=self.ray_address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": self.host, "port": self.port})
+        self.deploy(self.config, timeout_s)
+        return self
+
+    def deploy(self, config: AppConfig, timeout_s: float = 300.0) -> None:
+        """(Re)deploy the app with new settings, e.g. another policy; waits until it answers."""
+        from ray import serve
+
+        from gateway.app import build_app
+
+        if config.redis_url in (None, "", "auto") and self.redis is not None:
+            config.redis_url = self.redis.url
+        self.config = config
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{self.url}/v1/models", timeout=5)
+                if r.status_code == 200:
+                    r = httpx.get(f"{self.url}/health", timeout=10)
+                    if r.status_code == 200:
+                        return
+                last = r.text
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(1.0)
+        raise TimeoutError(f"gateway not ready after {timeout_s:.0f}s: {last}")
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            if self.redis is not None:
+                self.redis.cleanup()

@@ -1,0 +1,138 @@
+"""The Ray Serve replica: one AsyncLLMEngine plus the publisher of its block hashes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+
+from replica.async_engine import AsyncLLMEngine, EngineDeadError
+from replica.engine import EngineConfig, InvalidRequestError, LLMEngine
+from replica.protocol import GenerateRequest
+from replica.publisher import BlockPublisher, PublisherConfig
+from replica.sampling_params import SamplingParams
+
+log = logging.getLogger("prefixgate.replica")
+
+
+@dataclass
+class ReplicaSettings:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    redis_url: str | None = None  # None: run without publishing (routing falls back to hashing)
+    key_prefix: str = "prefixgate"
+    publish_depth: int = 64
+    torch_threads: int = 1
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReplicaSettings:
+        d = dict(d)
+        engine = EngineConfig(**d.pop("engine", {}))
+        return cls(engine=engine, **d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Ray Serve (tests, local use)
+        return f"local-{uuid.uuid4().hex[:8]}"
+
+
+class PrefixCacheReplica:
+    """Deployment class; the app builder wraps it with serve.deployment(...)."""
+
+    async def __init__(self, settings: dict) -> None:
+        import torch
+
+        self.settings = ReplicaSettings.from_dict(settings)
+        torch.set_num_threads(self.settings.torch_threads)
+        self.replica_id = _replica_id()
+        engine = await asyncio.to_thread(LLMEngine, config=self.settings.engine)
+        self.engine = AsyncLLMEngine(engine)
+        self.publisher: BlockPublisher | None = None
+        if self.settings.redis_url:
+            self.publisher = BlockPublisher(
+                PublisherConfig(
+                    redis_url=self.settings.redis_url,
+                    replica_id=self.replica_id,
+                    key_prefix=self.settings.key_prefix,
+                    depth=self.settings.publish_depth,
+                ),
+                snapshot=self._snapshot,
+                load=self._load,
+            )
+            engine.add_listener(self.publisher)
+            self.publisher.start()
+        log.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
+
+    def _snapshot(self) -> list[tuple[int, int]]:
+        def take(engine: LLMEngine):
+            self.publisher.reset_events()
+            return engine.blocks.cached_hashes()
+
+        return self.engine.call(take)
+
+    def _load(self) -> dict[str, int]:
+        s = self.engine.stats()
+        return {
+            "running": s.running,
+            "waiting": s.waiting,
+            "pending_prefill_tokens": s.pending_prefill_tokens,
+            "free_blocks": s.blocks_free,
+            "cached_blocks": s.blocks_cached,
+            "capacity_blocks": s.blocks_total,
+        }
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        yield {"type": "start", "replica": self.replica_id, "route": request.route}
+        try:
+            params = SamplingParams(**request.params)
+            stream = self.engine.generate(
+                request.prompt_token_ids, params, request_id=request.request_id, cache_salt=request.cache_salt
+            )
+            async for out in stream:
+                if out.new_token_ids or out.new_text:
+                    yield {"type": "delta", "token_ids": out.new_token_ids, "text": out.new_text}
+                if out.finished:
+                    yield {
+                        "type": "end",
+                        "finish_reason": out.finish_reason,
+                        "prompt_tokens": out.num_prompt_tokens,
+                        "cached_tokens": out.num_cached_tokens,
+                        "completion_tokens": len(out.token_ids),
+                    }
+        except (InvalidRequestError, TypeError, ValueError) as e:
+            yield {"type": "error", "code": 400, "message": str(e)}
+        except EngineDeadError as e:
+            yield {"type": "error", "code": 503, "message": str(e)}
+
+    async def info(self) -> dict:
+        """Model facts the gateway needs, and live stats for /health and /metrics."""
+        e = self.engine.engine
+        stats = asdict(self.engine.stats())
+        if self.publisher is not None:
+            stats["publisher"] = asdict(self.publisher.stats)
+        return {
+            "replica": self.replica_id,
+            "model_id": e.model_id,
+            "max_model_len": e.max_model_len,
+            "vocab_size": e.vocab_size,
+            "block_size": e.config.block_size,
+            "stats": stats,
+        }
+
+    async def check_health(self) -> None:
+        if not self.engine._thread.is_alive():
+            raise RuntimeError("engine loop thread died")
+
+    async def __del__(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.stop()
+        self.engine.shutdown()

@@ -1,0 +1,295 @@
+"""Routing policies: pure functions of what the router knows at decision time.
+
+No Redis, no Ray, no clocks: the Ray Serve router and the simulator both feed these classes the
+same `ReplicaView`s, so a policy tuned in simulation is the policy that serves traffic. All
+randomness goes through a `random.Random(seed)` owned by the policy, so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from dataclasses import dataclass
+
+import xxhash
+
+
+@dataclass
+class ReplicaView:
+    """What a router knows about one live replica at decision time."""
+
+    replica_id: str
+    matched_blocks: int = 0  # leading blocks of THIS request that the replica holds (from the index)
+    running: int = 0  # requests decoding/prefilling on it
+    waiting: int = 0  # requests queued on it
+    pending_prefill_tokens: int = 0  # prompt tokens admitted or queued but not yet computed
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    capacity_blocks: int = 0
+
+
+@dataclass
+class RouteRequest:
+    block_hashes: list[int]  # chained hashes of the prompt's full blocks (replica.block_hash)
+    num_prompt_tokens: int
+    block_size: int
+    session_id: str | None = None
+
+
+@dataclass
+class Decision:
+    replica_id: str
+    reason: str  # one of "session", "prefix", "load", "fallback"
+    matched_blocks: int = 0
+
+
+REASONS = ("session", "prefix", "load", "fallback")
+
+
+def _require(replicas: list[ReplicaView]) -> None:
+    if not replicas:
+        raise ValueError("no live replicas to route to")
+
+
+def _queued(v: ReplicaView) -> int:
+    return v.running + v.waiting
+
+
+class Policy:
+    """Base class: `choose` picks one of the live replicas for a request."""
+
+    name = "base"
+
+    def __init__(self, *, seed: int | None = None) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(
+        self,
+        request: RouteRequest,
+        replicas: list[ReplicaView],
+        session_replica: str | None = None,
+    ) -> Decision:
+        raise NotImplementedError
+
+    def _argmin(self, replicas: list[ReplicaView], key) -> ReplicaView:
+        """Replica with the smallest key; exact ties broken at random (not by list order)."""
+        best_key = min(key(v) for v in replicas)
+        ties = [v for v in replicas if key(v) == best_key]
+        return ties[0] if len(ties) == 1 else self.rng.choice(ties)
+
+
+class RandomPolicy(Policy):
+    """Uniform choice: the baseline any cache-aware policy must beat."""
+
+    name = "random"
+
+    def choose(self, request, replicas, session_replica=None):
+        _require(replicas)
+        v = self.rng.choice(replicas)
+        return Decision(v.replica_id, "fallback", v.matched_blocks)
+
+
+class LeastLoadedPolicy(Policy):
+    """Minimum pending prefill work, then fewest requests: balances load, ignores the cache."""
+
+    name = "least-loaded"
+
+    def choose(self, request, replicas, session_replica=None):
+        _require(replicas)
+        v = self._argmin(replicas, lambda r: (r.pending_prefill_tokens, _queued(r)))
+        return Decision(v.replica_id, "load", v.matched_blocks)
+
+
+class PowerOfTwoPolicy(Policy):
+    """Two random candidates, keep the one with fewer running+waiting requests."""
+
+    name = "pow2"
+
+    def choose(self, request, replicas, session_replica=None):
+        _require(replicas)
+        if len(replicas) == 1:
+            v = replicas[0]
+        else:
+            a, b = self.rng.sample(replicas, 2)
+            v = a if _queued(a) <= _queued(b) else b
+        return Decision(v.replica_id, "load", v.matched_blocks)
+
+
+class PrefixPolicy(Policy):
+    """Most matched blocks wins, ties by load. Greedy on cache, blind to queues: it piles a hot
+    prefix (and, when every prompt shares a system prompt, everything) onto one replica."""
+
+    name = "prefix"
+
+    def choose(self, request, replicas, session_replica=None):
+        _require(replicas)
+        v = self._argmin(
+            replicas, lambda r: (-r.matched_blocks, r.pending_prefill_tokens, _queued(r))
+        )
+        reason = "prefix" if v.matched_blocks > 0 else "load"
+        return Decision(v.replica_id, reason, v.matched_blocks)
+
+
+class HashRing:
+    """Consistent hashing with virtual nodes: removing one of N replicas moves only the keys it
+    owned (about 1/N), so the other replicas' caches stay warm."""
+
+    def __init__(self, replica_ids: list[str], vnodes: int = 64) -> None:
+        points = []
+        for rid in set(replica_ids):
+            for i in range(vnodes):
+                points.append((xxhash.xxh64_intdigest(f"{rid}#{i}".encode()), rid))
+        points.sort()
+        self._keys = [p[0] for p in points]
+        self._owners = [p[1] for p in points]
+
+    def lookup(self, key: int) -> str:
+        i = bisect.bisect_right(self._keys, key)
+        return self._owners[i % len(self._owners)]
+
+
+def session_key(request: RouteRequest) -> int | None:
+    """Ring key: the session id, else the first block hash (same system prompt, same replica)."""
+    if request.session_id is not None:
+        return xxhash.xxh64_intdigest(request.session_id.encode())
+    if request.block_hashes:
+        return xxhash.xxh64_intdigest(request.block_hashes[0].to_bytes(8, "little", signed=False))
+    return None
+
+
+class SessionPolicy(Policy):
+    """Consistent hashing on the session id over the live replica ids; ignores load."""
+
+    name = "session"
+
+    def __init__(self, *, seed: int | None = None, vnodes: int = 64) -> None:
+        super().__init__(seed=seed)
+        self.vnodes = vnodes
+        self._ring: HashRing | None = None
+        self._ring_ids: frozenset[str] = frozenset()
+
+    def ring(self, replica_ids: list[str]) -> HashRing:
+        ids = frozenset(replica_ids)
+        if self._ring is None or ids != self._ring_ids:
+            self._ring, self._ring_ids = HashRing(list(ids), self.vnodes), ids
+        return self._ring
+
+    def choose(self, request, replicas, session_replica=None):
+        _require(replicas)
+        key = session_key(request)
+        if key is None:
+            v = self.rng.choice(replicas)
+            return Decision(v.replica_id, "fallback", v.matched_blocks)
+        rid = self.ring([v.replica_id for v in replicas]).lookup(key)
+        v = next(r for r in replicas if r.replica_id == rid)
+        return Decision(rid, "session", v.matched_blocks)
+
+
+class AffinityPolicy(Policy):
+    """Cache affinity under a load budget (the default policy).
+
+    Cost model, in prefill-token equivalents (roughly proportional to the time to first token
+    this request would see on the replica):
+
+        cost(r) = miss_weight * uncached(r)              # prefill this request pays there
+                + pending_prefill_tokens(r)              # queue ahead of it
+                + decode_weight * (running(r) + waiting(r))  # decode steps interleaved with
+                                                         # prefill chunks slow it down
+        uncached(r) = num_prompt_tokens - matched_blocks(r) * block_size
+
+    The replica with the lowest cost wins. A replica holding the prefix wins while its queue is
+    shorter than the prefill it saves; past that an idle replica is cheaper, so a hot prefix
+    spreads over as many replicas as its load needs. `miss_weight` > 1 charges a miss for what
+    it does to the cache as well (a duplicate copy evicts someone else's blocks), which keeps
+    conversations home through short bursts.
+
+    Sessions: the replica that served the previous turn is kept while its cost is within
+    `session_slack` times the best alternative's (plus `session_margin` tokens), so a turn
+    whose blocks were evicted still lands where the next turn will look for them.
+    """
+
+    name = "affinity"
+
+    def __init__(
+        self,
+        *,
+        seed: int | None = None,
+        miss_weight: float = 1.0,
+        decode_weight: float = 256.0,
+        session_slack: float = 1.25,
+        session_margin: float = 2048.0,
+        balance_tolerance: float = 0.0,
+        balance_memory: float = 32.0,
+    ) -> None:
+        super().__init__(seed=seed)
+        self.miss_weight = miss_weight
+        self.decode_weight = decode_weight
+        self.session_slack = session_slack
+        self.session_margin = session_margin
+        self.balance_tolerance = balance_tolerance
+        self.balance_memory = balance_memory
+        self._recent: dict[str, float] = {}  # decayed prefill tokens routed, scaled by _growth
+        self._growth = 1.0
+
+    def _charge(self, replica_id: str, tokens: float, n: int) -> None:
+        """Count-based exponential decay (no clock): each decision ages every replica's tally by
+        1/(balance_memory * n); done lazily by growing the weight of new entries instead."""
+        self._growth /= 1.0 - 1.0 / (self.balance_memory * n)
+        if self._growth > 1e100:
+            self._recent = {k: v / self._growth for k, v in self._recent.items()}
+            self._growth = 1.0
+        self._recent[replica_id] = self._recent.get(replica_id, 0.0) + tokens * self._growth
+
+    def cost(self, request: RouteRequest, v: ReplicaView) -> float:
+        uncached = max(request.num_prompt_tokens - v.matched_blocks * request.block_size, 0)
+        return (
+            self.miss_weight * uncached
+            + v.pending_prefill_tokens
+            + self.decode_weight * _queued(v)
+        )
+
+    def choose(self, request, replicas, session_replica=None):
+        _require(replicas)
+        decision = self._decide(request, replicas, session_replica)
+        uncached = request.num_prompt_tokens - decision.matched_blocks * request.block_size
+        self._charge(decision.replica_id, max(uncached, 0), len(replicas))
+        return decision
+
+    def _decide(self, request, replicas, session_replica):
+        costs = {v.replica_id: self.cost(request, v) for v in replicas}
+        low = min(costs.values())
+        near = [v for v in replicas if costs[v.replica_id] <= low + self.balance_tolerance]
+        recent = self._recent
+        best = self._argmin(near, lambda r: (recent.get(r.replica_id, 0.0), costs[r.replica_id]))
+        if session_replica is not None and session_replica != best.replica_id:
+            home = next((v for v in replicas if v.replica_id == session_replica), None)
+            limit = self.session_slack * costs[best.replica_id] + self.session_margin
+            if home is not None and costs[session_replica] <= limit:
+                return Decision(home.replica_id, "session", home.matched_blocks)
+        if session_replica == best.replica_id:
+            return Decision(best.replica_id, "session", best.matched_blocks)
+        most = max(v.matched_blocks for v in replicas)
+        least = min(v.matched_blocks for v in replicas)
+        reason = "prefix" if most > least and best.matched_blocks == most else "load"
+        return Decision(best.replica_id, reason, best.matched_blocks)
+
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        AffinityPolicy,
+        PrefixPolicy,
+        SessionPolicy,
+        PowerOfTwoPolicy,
+        RandomPolicy,
+        LeastLoadedPolicy,
+    )
+}
+
+
+def make_policy(name: str, *, seed: int | None = None, **options) -> Policy:
+    """Build a policy by name; unknown names raise ValueError listing the valid ones."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
+    return cls(seed=seed, **options)

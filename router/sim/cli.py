@@ -1,0 +1,149 @@
+"""`prefixgate sim`: replay a trace through simulated replicas under each policy, print a table.
+
+    python -m router.sim.cli --replicas 8 32 --capacity tight ample --json out/sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from router.policy import POLICIES, make_policy
+from router.sim.engine import SimConfig, run_policy
+from router.sim.metrics import PolicyResult
+from router.sim.oracle import pooled_lru_hits, unbounded_hits
+from router.sim.service import ServiceModel
+from router.sim.workload import SESSION_MODES, WORKLOADS, SimRequest, distinct_blocks, load_mooncake
+
+CAPACITY_PRESETS = {"tight": 0.01, "ample": 0.05}  # fraction of the workload's distinct blocks
+BASE_REPLICAS = 8  # --time-scale auto keeps per-replica load at the trace's rate over 8 replicas
+TRACE_NAME = "mooncake_conversation_trace.jsonl"
+
+
+def default_trace() -> Path:
+    root = Path(__file__).resolve().parents[2]
+    for base in (root / "shared", root.parent / "shared"):
+        if (base / "traces" / TRACE_NAME).exists():
+            return base / "traces" / TRACE_NAME
+    return root.parent / "shared" / "traces" / TRACE_NAME
+
+
+def capacity_blocks(spec: str, distinct: int) -> int:
+    """'tight'/'ample', a fraction of distinct blocks ('0.02' or '2%'), or blocks ('1500')."""
+    if spec in CAPACITY_PRESETS:
+        return max(1, round(CAPACITY_PRESETS[spec] * distinct))
+    if spec.endswith("%"):
+        return max(1, round(float(spec[:-1]) / 100 * distinct))
+    if "." in spec:
+        return max(1, round(float(spec) * distinct))
+    return int(spec)
+
+
+def _kv(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key.replace("-", "_")] = float(value)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefixgate sim", description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=["mooncake", *WORKLOADS], default="mooncake")
+    p.add_argument("--trace", type=Path, default=None, help=f"Mooncake trace (default: shared/traces/{TRACE_NAME})")
+    p.add_argument("--sessions", choices=SESSION_MODES, default="prefix2",
+                   help="Mooncake: pseudo-session from the first two block ids, or none")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--replicas", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--capacity", nargs="+", default=["tight", "ample"],
+                   help="per replica: tight (1%% of distinct blocks), ample (5%%), a fraction, or blocks")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    p.add_argument("--time-scale", default="auto",
+                   help=f"arrival speed-up; auto = replicas/{BASE_REPLICAS} (same load per replica)")
+    p.add_argument("--window", type=float, default=60.0, help="imbalance window, seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="option for the affinity policy, e.g. miss_weight=1.5 (repeatable)")
+    p.add_argument("--service", action="append", default=[], metavar="KEY=VALUE",
+                   help="ServiceModel override, e.g. prefill_s_per_token=1e-4 (repeatable)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    return p
+
+
+def load_workload(args: argparse.Namespace) -> list[SimRequest]:
+    if args.workload == "mooncake":
+        return load_mooncake(args.trace or default_trace(), sessions=args.sessions, limit=args.limit)
+    reqs = WORKLOADS[args.workload]().generate(seed=args.seed)
+    return reqs[: args.limit] if args.limit else reqs
+
+
+def format_table(rows: list[PolicyResult]) -> str:
+    head = f"{'policy':<13}{'hit':>7}{'/pooled':>9}{'ttft p50':>10}{'ttft p99':>10}{'imbal p95':>11}{'util':>7}  reasons"
+    lines = [head]
+    for r in rows:
+        reasons = " ".join(f"{k}={v}" for k, v in sorted(r.reasons.items()))
+        lines.append(
+            f"{r.policy:<13}{r.hit_rate:>7.1%}{r.hit_vs_pooled:>9.1%}{r.ttft_p50_s:>9.2f}s"
+            f"{r.ttft_p99_s:>9.2f}s{r.imbalance_p95:>11.2f}{r.utilization:>7.0%}  {reasons}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        service = dataclasses.replace(ServiceModel(), **_kv(args.service))
+        policy_opts = _kv(args.policy_opt)
+        requests = load_workload(args)
+    except (OSError, TypeError, ValueError) as e:
+        print(f"prefixgate sim: {e}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("prefixgate sim: empty workload", file=sys.stderr)
+        return 2
+    distinct = distinct_blocks(requests)
+    total = sum(len(r.hashes) for r in requests)
+    unbounded = unbounded_hits(requests) / total
+    print(f"workload {args.workload}: {len(requests)} requests, {total} prompt blocks, "
+          f"{distinct} distinct; unbounded-cache oracle hit {unbounded:.1%}")
+    settings = []
+    for n in args.replicas:
+        scale = n / BASE_REPLICAS if args.time_scale == "auto" else float(args.time_scale)
+        for spec in args.capacity:
+            cap = capacity_blocks(spec, distinct)
+            pooled = pooled_lru_hits(requests, cap * n) / total
+            config = SimConfig(replicas=n, capacity_blocks=cap, service=service,
+                               time_scale=scale, window_s=args.window)
+            rows = []
+            t0 = time.perf_counter()
+            for name in args.policies:
+                opts = policy_opts if name == "affinity" else {}
+                result = run_policy(requests, make_policy(name, seed=args.seed, **opts), config)
+                result.hit_vs_pooled = result.hit_rate / pooled if pooled else float("nan")
+                rows.append(result)
+            print(f"\n== {n} replicas x {cap} blocks ({spec}), time scale {scale:g}: "
+                  f"pooled-LRU oracle hit {pooled:.1%}, unbounded {unbounded:.1%} "
+                  f"[{time.perf_counter() - t0:.0f}s]")
+            print(format_table(rows))
+            settings.append({
+                "replicas": n, "capacity": spec, "capacity_blocks": cap, "time_scale": scale,
+                "oracle_unbounded": unbounded, "oracle_pooled": pooled,
+                "rows": [r.to_dict() for r in rows],
+            })
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "workload": args.workload, "requests": len(requests), "prompt_blocks": total,
+            "distinct_blocks": distinct, "service": dataclasses.asdict(service),
+            "policy_options": policy_opts, "settings": settings,
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Figures reported per policy, and the small statistics they need."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]; nan when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def window_imbalance(work: list[list[float]], q: float = 95.0) -> float:
+    """Percentile over windows of max/mean work per replica (idle windows skipped).
+
+    `work[w][r]` is the prefill work routed to replica r by requests arriving in window w;
+    1.0 is perfect balance, N means one replica got everything."""
+    ratios = []
+    for row in work:
+        total = sum(row)
+        if total > 0:
+            ratios.append(max(row) * len(row) / total)
+    return percentile(ratios, q)
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    replicas: int
+    capacity_blocks: int
+    requests: int
+    rejected: int  # prompts larger than a replica's pool
+    prompt_blocks: int
+    hit_blocks: int
+    ttft_p50_s: float
+    ttft_p99_s: float
+    imbalance_p95: float
+    utilization: float  # mean prefill busy fraction over the arrival span
+    reasons: dict[str, int] = field(default_factory=dict)
+    hit_vs_pooled: float = math.nan
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["hit_rate"] = self.hit_rate
+        return d

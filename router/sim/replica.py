@@ -1,0 +1,135 @@
+"""One simulated replica: the real BlockManager (no tensors), a FIFO queue and a prefill slot.
+
+Blocks come and go exactly as on a real replica: a request gets its prompt blocks (cache hits
+taken from the LRU) plus room for its output when it is admitted, the prompt blocks become
+cache entries when its prefill completes, and everything is released when it finishes. Cache
+membership changes reach the router's index through the same listener hook the real replica
+uses to publish KV events.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from replica.block_manager import BlockManager, BlockTable
+from router.memory_index import InMemoryIndex
+from router.policy import ReplicaView
+from router.sim.service import ServiceModel
+from router.sim.workload import SimRequest
+
+
+class IndexFeed:
+    """KVEventListener that forwards one replica's cache events to the index."""
+
+    def __init__(self, replica_id: str, index: InMemoryIndex) -> None:
+        self.replica_id = replica_id
+        self.index = index
+
+    def stored(self, hashes: list[int], positions: list[int]) -> None:
+        self.index.stored(self.replica_id, hashes)
+
+    def removed(self, hashes: list[int]) -> None:
+        self.index.removed(self.replica_id, hashes)
+
+    def cleared(self) -> None:
+        self.index.clear(self.replica_id)
+
+
+@dataclass(slots=True)
+class Job:
+    req: SimRequest
+    arrival: float  # scaled time
+    est_uncached: int  # what the router expected to compute here, counted as queued work
+    window: int  # imbalance window of the arrival
+    table: BlockTable | None = None
+    hit_blocks: int = 0
+    uncached: int = 0
+    ttft: float = 0.0
+
+
+class SimReplica:
+    def __init__(
+        self, replica_id: str, capacity_blocks: int, block_size: int, service: ServiceModel, index: InMemoryIndex
+    ) -> None:
+        self.replica_id = replica_id
+        self.block_size = block_size
+        self.service = service
+        self.bm = BlockManager(num_blocks=capacity_blocks, block_size=block_size)
+        self.bm.listeners.append(IndexFeed(replica_id, index))
+        self.queue: deque[Job] = deque()
+        self.queued_tokens = 0
+        self.current: Job | None = None  # the prefill in progress
+        self.cur_start = 0.0
+        self.cur_end = 0.0
+        self.decoding = 0
+        self.busy_s = 0.0  # prefill time, for utilization
+
+    def alloc_tokens(self, req: SimRequest) -> int:
+        """Every block key is treated as a full block, plus room for the whole output up front
+        (no preemption in the model). Keeps all prompt blocks eligible for a hit."""
+        return len(req.hashes) * self.block_size + max(req.output_tokens, 1)
+
+    def fits(self, req: SimRequest) -> bool:
+        return self.bm.blocks_needed(self.alloc_tokens(req)) <= self.bm.num_blocks
+
+    def pending_tokens(self, now: float) -> int:
+        pending = self.queued_tokens
+        job = self.current
+        if job is not None and self.cur_end > now:
+            pending += int(job.uncached * (self.cur_end - now) / (self.cur_end - self.cur_start))
+        return pending
+
+    def view(self, now: float, matched: int) -> ReplicaView:
+        bm = self.bm
+        return ReplicaView(
+            replica_id=self.replica_id,
+            matched_blocks=matched,
+            running=self.decoding + (self.current is not None),
+            waiting=len(self.queue),
+            pending_prefill_tokens=self.pending_tokens(now),
+            free_blocks=bm.num_free,
+            cached_blocks=bm.num_cached,
+            capacity_blocks=bm.num_blocks,
+        )
+
+    def enqueue(self, job: Job) -> None:
+        self.queue.append(job)
+        self.queued_tokens += job.est_uncached
+
+    def try_start(self, now: float) -> float | None:
+        """Admit the head of the queue if the prefill slot, batch and pool allow; returns
+        when its prefill ends, or None."""
+        if self.current is not None or not self.queue or self.decoding >= self.service.max_running:
+            return None
+        job = self.queue[0]
+        req = job.req
+        table = BlockTable(hashes=req.hashes)  # shared, never grown: commit finds it complete
+        need = self.alloc_tokens(req)
+        if not self.bm.can_allocate(table, need):
+            return None  # head-of-line: wait for a finish to free blocks
+        self.queue.popleft()
+        self.queued_tokens -= job.est_uncached
+        cached = self.bm.allocate(table, need)
+        job.table = table
+        job.hit_blocks = cached // self.block_size
+        job.uncached = max(req.input_tokens - cached, 1)
+        dur = self.service.prefill_s(job.uncached, self.decoding)
+        self.current, self.cur_start, self.cur_end = job, now, now + dur
+        self.busy_s += dur
+        return self.cur_end
+
+    def prefill_done(self, now: float) -> tuple[Job, float]:
+        """Publish the prompt's blocks and move the job to decode; returns (job, finish time)."""
+        job = self.current
+        assert job is not None and job.table is not None
+        self.current = None
+        self.bm.commit(job.table, [], len(job.req.hashes) * self.block_size, seed=0)
+        job.ttft = now - job.arrival
+        self.decoding += 1
+        return job, now + self.service.decode_s(job.req.output_tokens, self.decoding)
+
+    def finish(self, job: Job) -> None:
+        assert job.table is not None
+        self.bm.free(job.table)
+        self.decoding -= 1
