@@ -189,23 +189,32 @@ class AffinityPolicy(Policy):
     """Cache affinity under a load budget (the default policy).
 
     Cost model, in prefill-token equivalents (roughly proportional to the time to first token
-    this request would see on the replica):
+    this request would see on the replica, with misses priced higher):
 
-        cost(r) = miss_weight * uncached(r)              # prefill this request pays there
-                + pending_prefill_tokens(r)              # queue ahead of it
-                + decode_weight * (running(r) + waiting(r))  # decode steps interleaved with
-                                                         # prefill chunks slow it down
+        cost(r) = miss_weight * uncached(r)                  # prefill this request pays there
+                + pending_prefill_tokens(r)                  # queue ahead of it
+                + decode_weight * (running(r) + waiting(r))  # decode steps interleave with
+                                                             # prefill chunks and slow it down
         uncached(r) = num_prompt_tokens - matched_blocks(r) * block_size
 
-    The replica with the lowest cost wins. A replica holding the prefix wins while its queue is
-    shorter than the prefill it saves; past that an idle replica is cheaper, so a hot prefix
-    spreads over as many replicas as its load needs. `miss_weight` > 1 charges a miss for what
-    it does to the cache as well (a duplicate copy evicts someone else's blocks), which keeps
-    conversations home through short bursts.
+    A replica holding the prefix wins while its queue is shorter than the (weighted) prefill it
+    saves; past that an idle replica is cheaper, so a hot prefix spreads over as many replicas
+    as its load needs. miss_weight > 1 charges a miss for what it does beyond this request: the
+    recomputed copy evicts someone else's blocks, and the conversation's later turns must follow
+    it. With 4, a holder keeps a conversation until its queue is ~4x the prefill the cache saves;
+    only real overload moves it, and the request that moves is not the one in the TTFT tail.
+
+    Among replicas whose cost is within `balance_tolerance` tokens of the lowest, the one that
+    was sent the least prefill work recently wins (a decayed tally over the last
+    ~balance_memory decisions per replica). Without it, cold requests go to whichever idle
+    replica comes first and work piles up unevenly over a minute even though every queue looks
+    short; evening out new work also evens out how fast each replica's LRU turns over.
 
     Sessions: the replica that served the previous turn is kept while its cost is within
-    `session_slack` times the best alternative's (plus `session_margin` tokens), so a turn
-    whose blocks were evicted still lands where the next turn will look for them.
+    `session_slack` times the lowest cost plus `session_margin` tokens, so a turn whose blocks
+    were evicted still lands where the next turn will look for them.
+
+    Defaults were tuned with the simulator on the Mooncake trace (docs/simulator.md).
     """
 
     name = "affinity"
@@ -214,12 +223,12 @@ class AffinityPolicy(Policy):
         self,
         *,
         seed: int | None = None,
-        miss_weight: float = 1.0,
+        miss_weight: float = 4.0,
         decode_weight: float = 256.0,
         session_slack: float = 1.25,
         session_margin: float = 2048.0,
-        balance_tolerance: float = 0.0,
-        balance_memory: float = 32.0,
+        balance_tolerance: float = 4096.0,
+        balance_memory: float = 64.0,
     ) -> None:
         super().__init__(seed=seed)
         self.miss_weight = miss_weight
@@ -234,7 +243,7 @@ class AffinityPolicy(Policy):
     def _charge(self, replica_id: str, tokens: float, n: int) -> None:
         """Count-based exponential decay (no clock): each decision ages every replica's tally by
         1/(balance_memory * n); done lazily by growing the weight of new entries instead."""
-        self._growth /= 1.0 - 1.0 / (self.balance_memory * n)
+        self._growth /= 1.0 - 1.0 / max(self.balance_memory * n, 2.0)
         if self._growth > 1e100:
             self._recent = {k: v / self._growth for k, v in self._recent.items()}
             self._growth = 1.0
@@ -263,7 +272,7 @@ class AffinityPolicy(Policy):
         best = self._argmin(near, lambda r: (recent.get(r.replica_id, 0.0), costs[r.replica_id]))
         if session_replica is not None and session_replica != best.replica_id:
             home = next((v for v in replicas if v.replica_id == session_replica), None)
-            limit = self.session_slack * costs[best.replica_id] + self.session_margin
+            limit = self.session_slack * low + self.session_margin
             if home is not None and costs[session_replica] <= limit:
                 return Decision(home.replica_id, "session", home.matched_blocks)
         if session_replica == best.replica_id:

@@ -63,3 +63,32 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos:
         pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs,
     )
     return out[0, len(prompt):].tolist()
+
+
+# ---- real services --------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def redis_server():
+    """A private redis-server on a free loopback port, for the whole test session."""
+    from gateway.local_redis import LocalRedis
+
+    server = LocalRedis().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def stack(redis_server):
+    """The real stack: local Ray, Serve, 2 replicas of the default model, router, gateway."""
+    import uuid
+
+    from gateway.config import AppConfig
+    from gateway.local_redis import free_port
+    from gateway.stack import LocalStack
+
+    config = AppConfig(
+        redis_url=redis_server.url, key_prefix=f"test-{uuid.uuid4().hex[:6]}", replicas=2,
+        kv_cache_mb=64, max_model_len=2048, default_max_tokens=32,
+    )
+    s = LocalStack(config, port=free_port()).start()
+    yield s
+    s.stop()

@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixgate sim", description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["mooncake", *WORKLOADS], default="mooncake")
     p.add_argument("--trace", type=Path, default=None, help=f"Mooncake trace (default: shared/traces/{TRACE_NAME})")
-    p.add_argument("--sessions", choices=SESSION_MODES, default="prefix2",
-                   help="Mooncake: pseudo-session from the first two block ids, or none")
+    p.add_argument("--sessions", choices=SESSION_MODES, default="none",
+                   help="Mooncake: no session ids (default), or pseudo-sessions from the first two block ids")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--replicas", type=int, nargs="+", default=[8, 32])
     p.add_argument("--capacity", nargs="+", default=["tight", "ample"],

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-SESSION_MODES = ("prefix2", "none")
+SESSION_MODES = ("none", "prefix2")
 
 
 @dataclass(slots=True)
@@ -25,14 +25,15 @@ class SimRequest:
     session_id: str | None = None
 
 
-def load_mooncake(path: str | Path, *, sessions: str = "prefix2", limit: int | None = None) -> list[SimRequest]:
+def load_mooncake(path: str | Path, *, sessions: str = "none", limit: int | None = None) -> list[SimRequest]:
     """Read the Mooncake trace (512-token blocks, hash ids used as block keys directly).
 
-    The trace has no conversation ids. With sessions="prefix2" a pseudo-session is the first two
-    block ids: every prompt starts with the same block 0 (a shared system prompt), so block 1
-    is the first one that tells conversations apart, and in this trace a request whose first two
-    blocks were seen before is exactly a request that reuses an earlier prompt beyond block 0.
-    sessions="none" leaves every request without a session id.
+    The trace has no conversation ids, and an OpenAI-style client need not send one, so by
+    default (sessions="none") requests carry none and the router must find conversations
+    through the prefix index alone. sessions="prefix2" derives a pseudo-session from the first
+    two block ids instead: every prompt starts with the same block 0 (a shared system prompt),
+    so block 1 is the first that tells conversations apart; in this trace a request whose first
+    two blocks were seen before is exactly one that reuses an earlier prompt beyond block 0.
     """
     if sessions not in SESSION_MODES:
         raise ValueError(f"sessions must be one of {SESSION_MODES}")
@@ -72,8 +73,8 @@ class ChatWorkload:
     Turn k+1's prompt is turn k's prompt + its answer + a new user message, so every full block
     of turn k is a prefix block of turn k+1; the partial last block is new each turn."""
 
-    sessions: int = 2000
-    duration_s: float = 3600.0
+    sessions: int = 3500
+    duration_s: float = 600.0  # turns after it are dropped; sized for ~60% load on 8 replicas
     system_prompts: int = 16
     system_blocks: int = 4
     zipf_s: float = 1.1
@@ -96,6 +97,8 @@ class ChatWorkload:
             t = rng.uniform(0.0, self.duration_s)
             turns = 1 + int(rng.expovariate(1.0 / max(self.turns_mean - 1.0, 1e-9)))
             for _ in range(turns):
+                if t > self.duration_s:
+                    break
                 prompt = history + max(1, int(rng.expovariate(1.0 / self.user_tokens_mean)))
                 full = prompt // bs
                 if full > len(stream):
@@ -115,7 +118,7 @@ class RagWorkload:
     popularity) + a fresh question. Hot documents are hot prefixes; no session ids."""
 
     requests: int = 12000
-    duration_s: float = 3600.0
+    duration_s: float = 1800.0  # sized for ~60% prefill load on 8 replicas, cache-blind
     preambles: int = 4
     preamble_blocks: int = 2
     documents: int = 3000

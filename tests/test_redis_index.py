@@ -1,0 +1,210 @@
+"""The shared index against a real redis-server: publish, lookup, eviction, death, resync."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import redis
+
+from replica.block_hash import block_hashes
+from replica.block_manager import BlockManager, BlockTable
+from replica.publisher import BlockPublisher, PublisherConfig
+from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
+
+BS = 4
+
+
+class FakeReplica:
+    """A real BlockManager (tensor-free) with a publisher attached, as a replica has."""
+
+    def __init__(self, url: str, prefix: str, rid: str, num_blocks: int = 16, depth: int = 64, ttl: float = 3.0):
+        self.bm = BlockManager(num_blocks, BS)
+        self.publisher = BlockPublisher(
+            PublisherConfig(url, rid, prefix, depth=depth, flush_s=0.01, heartbeat_s=0.1, heartbeat_ttl_s=ttl, gc_s=0.2),
+            snapshot=self._snapshot, load=self._load,
+        )
+        self.bm.listeners.append(self.publisher)
+        self.tables: list[BlockTable] = []
+
+    def _snapshot(self):
+        self.publisher.reset_events()
+        return self.bm.cached_hashes()
+
+    def _load(self):
+        return {"running": len(self.tables), "waiting": 0, "pending_prefill_tokens": 0,
+                "free_blocks": self.bm.num_free, "cached_blocks": self.bm.num_cached, "capacity_blocks": self.bm.num_blocks}
+
+    def run(self, tokens: list[int], keep: bool = False) -> list[int]:
+        t = BlockTable(hashes=block_hashes(tokens, BS, 0))
+        self.bm.allocate(t, len(tokens))
+        self.bm.commit(t, tokens, len(tokens), 0)
+        if keep:
+            self.tables.append(t)
+        else:
+            self.bm.free(t)
+        return t.hashes
+
+
+async def eventually(check, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = await check()
+            if result:
+                return result
+        except IndexUnavailable:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def prefix():
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+def test_publish_lookup_evict_and_isolation(redis_server, prefix):
+    async def scenario():
+        a = FakeReplica(redis_server.url, prefix, "ra", num_blocks=6)
+        b = FakeReplica(redis_server.url, prefix, "rb")
+        a.publisher.start()
+        b.publisher.start()
+        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.5))
+        other = RedisIndex(RedisConfig(redis_server.url, prefix + "x", timeout_s=0.5))
+        try:
+            sys_prompt = list(range(100, 112))  # 3 blocks
+            hashes = a.run(sys_prompt + [1, 2, 3, 4, 5])  # 4 full blocks cached on ra
+            b.run(sys_prompt[:4] + [9] * 8)  # only the first block in common
+
+            async def matched():
+                look = await index.lookup(hashes, ["ra", "rb", "rc"], None)
+                return look if look.replicas["ra"].matched_blocks == 4 and look.replicas["rb"].matched_blocks == 1 else None
+
+            look = await eventually(matched)
+            assert look.replicas["rc"].matched_blocks == 0 and look.replicas["rc"].heartbeat == {}
+            assert look.replicas["ra"].heartbeat["capacity_blocks"] == 6
+            # another key prefix sees nothing of this deployment
+            assert (await other.lookup(hashes, ["ra", "rb"], None)).replicas["ra"].matched_blocks == 0
+
+            a.run([7] * 24)  # needs all 6 blocks: evicts everything ra held before
+
+            async def evicted():
+                look = await index.lookup(hashes, ["ra"], None)
+                return look.replicas["ra"].matched_blocks == 0
+
+            await eventually(evicted)
+            await index.remember_session("s1", "rb")
+            assert (await index.lookup(hashes, ["ra", "rb"], "s1")).session_replica == "rb"
+        finally:
+            await a.publisher.stop()
+            await b.publisher.stop()
+            await index.close()
+            await other.close()
+
+    asyncio.run(scenario())
+
+
+def test_depth_limits_what_is_published(redis_server, prefix):
+    async def scenario():
+        a = FakeReplica(redis_server.url, prefix, "ra", depth=2)
+        a.publisher.start()
+        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.5))
+        try:
+            hashes = a.run(list(range(20)))
+            await eventually(lambda: _matched(index, hashes, "ra", 2))
+            await asyncio.sleep(0.2)
+            client = redis.Redis.from_url(redis_server.url)
+            assert client.scard(f"{prefix}:blocks:ra") == 2
+        finally:
+            await a.publisher.stop()
+            await index.close()
+
+    asyncio.run(scenario())
+
+
+async def _matched(index, hashes, rid, n):
+    return (await index.lookup(hashes, [rid], None)).replicas[rid].matched_blocks == n
+
+
+def test_dead_replica_stops_counting_and_is_collected(redis_server, prefix):
+    async def scenario():
+        dead = FakeReplica(redis_server.url, prefix, "dead", ttl=0.5)
+        live = FakeReplica(redis_server.url, prefix, "live")
+        dead.publisher.start()
+        live.publisher.start()
+        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.5))
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            hashes = dead.run(list(range(16)))
+            await eventually(lambda: _matched(index, hashes, "dead", 4))
+            await dead.publisher.stop(unregister=False)  # a crash: nothing cleaned up by the replica
+            start = time.monotonic()
+            await eventually(lambda: _matched(index, hashes, "dead", 0), timeout=5)
+            assert time.monotonic() - start < 2.0
+            await eventually(_async(lambda: not client.exists(f"{prefix}:blocks:dead")), timeout=5)
+            assert b"dead" not in client.smembers(f"{prefix}:replicas")
+        finally:
+            await live.publisher.stop()
+            await index.close()
+
+    asyncio.run(scenario())
+
+
+def _async(fn):
+    async def check():
+        return fn()
+
+    return check
+
+
+def test_restart_clears_earlier_incarnation(redis_server, prefix):
+    client = redis.Redis.from_url(redis_server.url)
+    client.sadd(f"{prefix}:blocks:ra", 111, 222)  # left by an earlier process with the same id
+
+    async def scenario():
+        a = FakeReplica(redis_server.url, prefix, "ra")
+        a.publisher.start()
+        try:
+            hashes = a.run(list(range(8)))
+            await eventually(_async(lambda: client.smembers(f"{prefix}:blocks:ra") == {str(h).encode() for h in hashes}))
+        finally:
+            await a.publisher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_resync_after_redis_restart_and_fast_failure_while_down(prefix):
+    from gateway.local_redis import LocalRedis
+
+    server = LocalRedis().start()
+    try:
+        async def scenario():
+            a = FakeReplica(server.url, prefix, "ra")
+            a.publisher.start()
+            index = RedisIndex(RedisConfig(server.url, prefix, timeout_s=0.05, cooldown_s=0.2))
+            try:
+                hashes = a.run(list(range(12)))
+                await eventually(lambda: _matched(index, hashes, "ra", 3))
+                server.stop()
+                t0 = time.monotonic()
+                with pytest.raises(IndexUnavailable):
+                    await index.lookup(hashes, ["ra"], None)
+                assert time.monotonic() - t0 < 0.5  # never blocks a request on a dead Redis
+                more = a.run(list(range(100, 108)))  # events while Redis is away
+                await asyncio.sleep(0.3)
+                server.start()
+                await eventually(lambda: _matched(index, hashes, "ra", 3), timeout=10)
+                await eventually(lambda: _matched(index, more, "ra", 2), timeout=10)
+                await eventually(_async(lambda: a.publisher.stats.resyncs >= 2))
+                assert a.publisher.stats.errors >= 1
+            finally:
+                await a.publisher.stop()
+                await index.close()
+
+        asyncio.run(scenario())
+    finally:
+        server.cleanup()
