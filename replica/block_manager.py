@@ -112,19 +112,20 @@ class BlockManager:
         hit = self.cached_prefix(table.hashes, num_tokens)
         for block in hit:
             self._take(block)
-        table.block_ids = hit + [self._new_block() for _ in range(self.blocks_needed(num_tokens) - len(hit))]
+        table.block_ids = hit + self._new_blocks(self.blocks_needed(num_tokens) - len(hit))
         table.num_registered = len(hit)
         self.stats.queried_tokens += num_tokens
         self.stats.hit_tokens += len(hit) * self.block_size
         return len(hit) * self.block_size
 
     def can_append(self, table: BlockTable, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) <= len(table.block_ids) or self.num_available > 0
+        return self.blocks_needed(num_tokens) - len(table.block_ids) <= self.num_available
 
     def append(self, table: BlockTable, num_tokens: int) -> None:
         """Grow a running sequence's table to hold `num_tokens` tokens (decode)."""
-        while len(table.block_ids) < self.blocks_needed(num_tokens):
-            table.block_ids.append(self._new_block())
+        missing = self.blocks_needed(num_tokens) - len(table.block_ids)
+        if missing > 0:
+            table.block_ids += self._new_blocks(missing)
 
     def commit(self, table: BlockTable, token_ids: list[int], num_computed: int, seed: int) -> None:
         """Register the blocks whose K/V is now complete, so later requests can hit them."""
@@ -163,11 +164,12 @@ class BlockManager:
         table.num_registered = 0
 
     def clear_cache(self) -> int:
-        """Drop every unreferenced cached block (e.g. after a weight reload)."""
-        n = len(self._lru)
-        for block in list(self._lru):
+        """Forget every cached hash (e.g. after a weight reload): blocks in use keep their K/V
+        for their own sequence but can no longer be hit, and go to the free list when freed."""
+        n = len(self.hash_to_block)
+        for block in list(self.hash_to_block.values()):
             self._unhash(block)
-            self._free.append(block)
+        self._free.extend(self._lru)
         self._lru.clear()
         for listener in self.listeners:
             listener.cleared()
@@ -183,19 +185,25 @@ class BlockManager:
             del self._lru[block]
         self.ref_count[block] += 1
 
-    def _new_block(self) -> int:
-        if self._free:
-            block = self._free.popleft()
-        elif self._lru:
-            block, _ = self._lru.popitem(last=False)
-            h = self._unhash(block)
-            self.stats.evictions += 1
-            for listener in self.listeners:
-                listener.removed([h])
-        else:
+    def _new_blocks(self, n: int) -> list[int]:
+        """Free blocks first, then evict the least recently used cached ones (one event)."""
+        if n > self.num_available:
             raise NoFreeBlocksError("block pool exhausted")
-        self.ref_count[block] = 1
-        return block
+        blocks: list[int] = []
+        evicted: list[int] = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._lru.popitem(last=False)
+                evicted.append(self._unhash(block))
+            self.ref_count[block] = 1
+            blocks.append(block)
+        if evicted:
+            self.stats.evictions += len(evicted)
+            for listener in self.listeners:
+                listener.removed(evicted)
+        return blocks
 
     def _unhash(self, block: int) -> int:
         h = self.block_hash[block]

@@ -18,7 +18,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from replica.block_hash import block_hashes, chain_seed
 from replica.protocol import GenerateRequest
-from router.metrics import INDEX_FAILURES, ROUTE_DECISIONS, ROUTE_LATENCY, ROUTE_MATCHED_BLOCKS
+from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
@@ -75,9 +75,10 @@ class PrefixGateRouter(RequestRouter):
         route = RouteRequest(hashes, len(req.prompt_token_ids), self.block_size, session)
         decision = await self._decide(route, by_id)
         elapsed = time.perf_counter() - start
-        ROUTE_LATENCY.observe(elapsed)
-        ROUTE_DECISIONS.labels(self.policy_name, decision.reason).inc()
-        ROUTE_MATCHED_BLOCKS.labels(self.policy_name).inc(decision.matched_blocks)
+        metrics = router_metrics()
+        metrics.latency.observe(elapsed)
+        metrics.decisions.labels(self.policy_name, decision.reason).inc()
+        metrics.matched_blocks.labels(self.policy_name).inc(decision.matched_blocks)
         req.route = {
             "policy": self.policy_name,
             "reason": decision.reason,
@@ -94,7 +95,7 @@ class PrefixGateRouter(RequestRouter):
             try:
                 look = await self.index.lookup(route.block_hashes, ids, route.session_id)
             except IndexUnavailable:
-                INDEX_FAILURES.inc()
+                router_metrics().index_failures.inc()
             else:
                 views = []
                 for rid in ids:

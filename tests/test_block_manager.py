@@ -76,13 +76,18 @@ def test_referenced_blocks_are_never_evicted():
     assert set(a.block_ids) == {0, 1, 2} and all(bm.ref_count[b] == 1 for b in a.block_ids)
 
 
-def test_clear_cache_reports_cleared():
+def test_clear_cache_forgets_every_hash_even_in_use():
     bm, rec = make()
     a, _ = run_prompt(bm, [5] * 8)
     bm.free(a)
+    b, _ = run_prompt(bm, [6] * 8)  # still running
     assert bm.num_cached == 2
-    assert bm.clear_cache() == 2
-    assert rec.cleared_count == 1 and bm.num_free == bm.num_blocks and not bm.hash_to_block
+    assert bm.clear_cache() == 4
+    assert rec.cleared_count == 1 and not bm.hash_to_block
+    _, cached = run_prompt(bm, [6] * 8 + [1])  # in-use K/V can no longer be hit
+    assert cached == 0
+    bm.free(b)
+    assert bm.num_cached == 2  # only the new request's blocks are cached
 
 
 def test_decode_blocks_become_cached():

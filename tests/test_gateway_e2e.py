@@ -1,0 +1,186 @@
+"""End to end over real HTTP: Ray Serve, 2 replicas of the real model, real Redis, the router."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+import redis
+
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = "You are a patient geography tutor. Answer in one short sentence and name the country. " * 3
+
+
+def chat(stack, messages, session=None, **kw):
+    headers = {"x-session-id": session} if session else {}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, **kw}
+    return httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
+def test_three_turn_session_grows_cache_and_stays_home(stack):
+    session = f"s-{uuid.uuid4().hex[:6]}"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+    replicas, cached, prompt = [], [], []
+    for question in ["And of Germany?", "And of Italy?", None]:
+        r = chat(stack, messages, session)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        replicas.append(r.headers["x-prefixgate-replica"])
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+        prompt.append(body["usage"]["prompt_tokens"])
+        assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        if question:
+            messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": question}]
+    assert len(set(replicas)) == 1, replicas
+    assert cached[1] > cached[0] and cached[2] > cached[1], cached
+    assert cached[2] >= prompt[1] - 16 - 8  # the whole previous turn, up to its unfinished last block
+    assert r.headers["x-prefixgate-route"] == "session"
+
+
+def test_streaming_and_non_streaming_agree(stack):
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    plain = chat(stack, messages).json()["choices"][0]["message"]["content"]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "stream": True, "stream_options": {"include_usage": True}}
+    pieces, usage, finish = [], None, None
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-prefixgate-replica"]
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunk = json.loads(line.removeprefix("data: "))
+        assert chunk["object"] == "chat.completion.chunk"
+        for choice in chunk["choices"]:
+            pieces.append(choice["delta"].get("content") or "")
+            finish = choice["finish_reason"] or finish
+        usage = chunk.get("usage") or usage
+    assert "".join(pieces) == plain
+    assert finish in ("stop", "length") and usage["completion_tokens"] > 0
+
+
+def test_completions_with_text_and_token_ids(stack):
+    r = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 5}, timeout=60)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    ids = stack_tokenize(stack, "The capital of France is")
+    r2 = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 5}, timeout=60)
+    assert r2.status_code == 200 and r2.json()["choices"][0]["text"] == text
+    assert r2.json()["object"] == "text_completion"
+
+
+def stack_tokenize(stack, text):
+    from transformers import AutoTokenizer
+
+    from replica.default_model import default_model_dir
+
+    return AutoTokenizer.from_pretrained(default_model_dir()).encode(text)
+
+
+def test_official_openai_client(stack):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True})
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert text == resp.choices[0].message.content
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt just ran
+    from openai import BadRequestError, NotFoundError
+
+    with pytest.raises(NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=messages)
+    with pytest.raises(BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=-1)
+
+
+BAD_REQUESTS = [
+    ("malformed json", b'{"model": "x", "messages": [', 400),
+    ("not an object", b"[1, 2, 3]", 400),
+    ("invalid utf-8", b'{"model": "\xff\xfe", "messages": []}', 400),
+    ("deep nesting", b'{"model": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400),
+    ("wrong type", {"model": MODEL, "messages": "hello"}, 400),
+    ("wrong type of max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400),
+    ("unknown model", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("empty messages", {"model": MODEL, "messages": []}, 400),
+    ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("negative max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, 400),
+    ("huge max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**12}, 400),
+    ("prompt beyond context", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]}, 400),
+    ("n zero", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400),
+    ("temperature out of range", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}, 400),
+    ("unsupported penalty", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0}, 400),
+    ("empty completion prompt", {"model": MODEL, "prompt": ""}, 400),
+    ("token id out of vocabulary", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400),
+]
+
+
+@pytest.mark.parametrize("name, payload, status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_openai_error(stack, name, payload, status):
+    path = "/v1/completions" if isinstance(payload, dict) and "prompt" in payload else "/v1/chat/completions"
+    kwargs = {"json": payload} if isinstance(payload, dict) else {"content": payload, "headers": {"content-type": "application/json"}}
+    r = httpx.post(f"{stack.url}{path}", timeout=30, **kwargs)
+    assert r.status_code == status, (name, r.status_code, r.text[:200])
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+
+
+def test_oversized_body_is_refused(stack):
+    r = httpx.post(f"{stack.url}/v1/chat/completions", content=b"x" * (5 * 2**20), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_n_choices(stack):
+    r = chat(stack, [{"role": "user", "content": "Say a word."}], n=2, seed=3, max_tokens=8)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+
+
+def _replica_loads(stack) -> list[dict]:
+    client = redis.Redis.from_url(stack.config.redis_url, decode_responses=True)
+    prefix = stack.config.key_prefix
+    return [client.hgetall(f"{prefix}:hb:{rid}") for rid in client.smembers(f"{prefix}:replicas")]
+
+
+def test_client_disconnect_aborts_and_frees_blocks(stack):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 1000, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+            if seen >= 4:
+                break  # the client goes away mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        loads = _replica_loads(stack)
+        busy = [ld for ld in loads if int(ld.get("running", 0)) or int(ld.get("waiting", 0))]
+        used = [int(ld["capacity_blocks"]) - int(ld["free_blocks"]) - int(ld["cached_blocks"]) for ld in loads]
+        if loads and not busy and not any(used):
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"request kept running after the client left: {loads}")
+
+
+def test_health_models_and_metrics(stack):
+    assert httpx.get(f"{stack.url}/health", timeout=30).json()["status"] == "ok"
+    assert httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"] == MODEL
+    chat(stack, [{"role": "user", "content": "Hello!"}], session="metrics-check")
+    text = httpx.get(f"{stack.url}/metrics").text
+    for name in ("prefixgate_prefix_cache_queries_tokens_total{replica=", "prefixgate_prefix_cache_hits_tokens_total{replica=",
+                 "prefixgate_time_to_first_token_seconds_bucket", "prefixgate_routed_requests_total{reason=",
+                 "prefixgate_route_decisions_total{policy=\"affinity\"", "prefixgate_route_decision_seconds_bucket"):
+        assert name in text, name
