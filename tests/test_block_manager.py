@@ -84,10 +84,12 @@ def test_clear_cache_forgets_every_hash_even_in_use():
     assert bm.num_cached == 2
     assert bm.clear_cache() == 4
     assert rec.cleared_count == 1 and not bm.hash_to_block
-    _, cached = run_prompt(bm, [6] * 8 + [1])  # in-use K/V can no longer be hit
+    c, cached = run_prompt(bm, [6] * 8 + [1])  # in-use K/V can no longer be hit
     assert cached == 0
     bm.free(b)
-    assert bm.num_cached == 2  # only the new request's blocks are cached
+    assert bm.num_cached == 0 and bm.num_free == bm.num_blocks - 3  # b's blocks went back unhashed
+    bm.free(c)
+    assert bm.num_cached == 2  # only the recomputed blocks are cached
 
 
 def test_decode_blocks_become_cached():
