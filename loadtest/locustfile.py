@@ -59,7 +59,7 @@ def _arguments(parser) -> None:
     g.add_argument("--trace-file", default=DEFAULT_TRACE, env_var="PG_TRACE_FILE")
     g.add_argument("--trace-start", type=int, default=0, env_var="PG_TRACE_START")
     g.add_argument("--trace-requests", type=int, default=200, env_var="PG_TRACE_REQUESTS")
-    g.add_argument("--trace-speedup", type=float, default=10.0, env_var="PG_TRACE_SPEEDUP",
+    g.add_argument("--trace-speedup", type=float, default=1.0, env_var="PG_TRACE_SPEEDUP",
                    help="arrival times are divided by this")
     g.add_argument("--trace-block-tokens", type=int, default=16, env_var="PG_TRACE_BLOCK_TOKENS",
                    help="synthetic tokens per trace hash id (the trace's 512)")

@@ -23,6 +23,7 @@ COLUMNS = (
     ("ttft_p99_s", "TTFT p99", "{:.3f}s"),
     ("output_tokens_per_s", "out tok/s", "{:.1f}"),
     ("prefill_tokens", "prefill computed", "{}"),
+    ("later_turn_prefill_tokens", "prefill t>=2", "{}"),
     ("errors", "errors", "{}"),
 )
 
@@ -88,6 +89,7 @@ def summarize(records: list[dict], label: str | None = None, bin_s: float = 10.0
         "hit_rate": _ratio(cached, prompt),
         "later_turn_hit_rate": _ratio(sum(r.get("cached_tokens", 0) for r in later),
                                       sum(r.get("prompt_tokens", 0) for r in later)),
+        "later_turn_prefill_tokens": sum(r.get("prompt_tokens", 0) - r.get("cached_tokens", 0) for r in later),
         "session_turns": len(sticky_pool),
         "stayed": stayed,
         "stickiness": _ratio(stayed, len(sticky_pool)),

@@ -78,7 +78,7 @@ class TraceSpec:
     path: str
     start: int = 0  # first row to replay
     requests: int = 200  # rows to replay
-    speedup: float = 10.0  # arrival times divided by this
+    speedup: float = 1.0  # arrival times divided by this
     block_tokens: int = 16  # synthetic tokens per hash id (the trace's 512)
     max_prompt_tokens: int = 1024
     max_output_tokens: int = 16

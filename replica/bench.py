@@ -17,6 +17,7 @@ transformers' continuous batching (`model.generate_batch`, sdpa) and sequential
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -27,8 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from replica.engine import LLMEngine, RequestOutput, SamplingParams
+
+say = functools.partial(print, flush=True)  # progress shows up in redirected logs
 
 SYSTEM_TEXT = (
     "You are the support assistant of Northwind Trading, a wholesale supplier of coffee, tea "
@@ -68,7 +72,7 @@ QUESTIONS = [
 # Scenario 1: ten questions of 10-28 tokens summing to 190, so the prompts total 1190 tokens.
 SEED_SYSTEM_TOKENS = 100
 SEED_QUESTION_LENGTHS = [12, 25, 16, 10, 28, 19, 22, 14, 24, 20]
-QUESTION_TOKENS = 8  # scenario 2: 200 + 8 = 208-token prompts, as in docs/ENVIRONMENT baselines
+QUESTION_TOKENS = 8  # scenario 2: 200 + 8 = 208-token prompts, like the baselines in ENVIRONMENT.md
 
 
 # ---- prompts ----------------------------------------------------------------------------------
@@ -199,16 +203,33 @@ def hf_sequential(model, prompts: list[list[int]], new_tokens: int) -> tuple[flo
     return time.perf_counter() - t0, outs
 
 
-def hf_generate_batch(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """transformers' continuous batching; eos_token_id=-1 disables stopping at EOS."""
+def hf_generate_batch(
+    model, prompts: list[list[int]], new_tokens: int, page: int = 64
+) -> tuple[float, float, list[list[int]]]:
+    """transformers' continuous batching; returns (call seconds, in-flight seconds, tokens).
+
+    eos_token_id=-1 disables stopping at EOS. The KV cache is sized for this workload: left to
+    its default on CPU, transformers takes 90% of free RAM (GBs zeroed per call, seconds of
+    setup). Pages of 64 tokens (default 256) let its own prefix sharing reuse 192 tokens of a
+    200-token system prompt; it was its fastest setting here. The in-flight window (first
+    request created to last finished) leaves out manager setup and its ~0.5 s shutdown wait,
+    which is the figure comparable to ours.
+    """
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    pages = sum(-(-(len(p) + new_tokens) // page) for p in prompts)
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=pages + 2, max_batch_tokens=512)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        results = model.generate_batch(
+            inputs=prompts, generation_config=config, continuous_batching_config=cb, progress_bar=False
+        )
     elapsed = time.perf_counter() - t0
-    return elapsed, [r.generated_tokens for r in results.values()]
+    outs = list(results.values())
+    window = max(o.lifespan[1] for o in outs) - min(o.created_time for o in outs)
+    return elapsed, window, [o.generated_tokens for o in outs]
 
 
 @dataclass
@@ -220,7 +241,8 @@ class ThroughputResult:
     ours_tok_s: float
     ours_cached_tokens: int
     ours_steps: int
-    generate_batch_s: float | None = None
+    generate_batch_s: float | None = None  # in-flight window
+    generate_batch_call_s: float | None = None  # the whole call, manager setup and shutdown included
     generate_batch_tok_s: float | None = None
     sequential_s: float | None = None
     sequential_tok_s: float | None = None
@@ -248,77 +270,93 @@ def _exact(outs: list[list[int]], n: int, who: str) -> None:
 def scenario_throughput(engine: LLMEngine, args: argparse.Namespace) -> ThroughputResult:
     """Scenario 2: the same prompts through our engine and the two transformers paths."""
     prompts = batch_prompts(engine, args.requests, args.system_tokens)
-    n, total = args.new_tokens, args.requests * args.new_tokens
+    res, ours = run_ours(engine, prompts, args.new_tokens)
+    if args.skip_baselines and args.check == 0:
+        return res
+    model = load_reference(engine.model_path, engine.runner.dtype)
+    run_baselines(model, prompts, ours, res, args, warmup=exact_tokens(engine, "warm up", 8))
+    return res
+
+
+def run_ours(engine: LLMEngine, prompts: list[list[int]], n: int) -> tuple[ThroughputResult, list[list[int]]]:
+    """All requests at once from an empty cache: what the batch shares, it computes once."""
     engine.blocks.clear_cache()
     before = engine.stats()
     elapsed, outs = run_batch(engine, prompts, SamplingParams(max_tokens=n, ignore_eos=True))
     after = engine.stats()
-    ours = [o.token_ids for o in outs]
-    _exact(ours, n, "our engine")
+    tokens = [o.token_ids for o in outs]
+    _exact(tokens, n, "our engine")
     res = ThroughputResult(
         requests=len(prompts), prompt_tokens=sum(map(len, prompts)), new_tokens=n,
-        ours_s=elapsed, ours_tok_s=total / elapsed,
+        ours_s=elapsed, ours_tok_s=len(prompts) * n / elapsed,
         ours_cached_tokens=after.cached_tokens - before.cached_tokens, ours_steps=after.steps - before.steps,
     )
-    if args.skip_baselines and args.check == 0:
-        return res
-    model = load_reference(engine.model_path, engine.runner.dtype)
-    tiny = [exact_tokens(engine, "warm up", 8)]
-    hf_sequential(model, tiny, 2)
-    checked = prompts if not args.skip_baselines else prompts[: args.check]
+    return res, tokens
+
+
+def run_baselines(
+    model, prompts: list[list[int]], ours: list[list[int]], res: ThroughputResult,
+    args: argparse.Namespace, warmup: list[int],
+) -> None:
+    """Sequential generate (timed, and the correctness reference), then generate_batch."""
+    n, total = res.new_tokens, len(prompts) * res.new_tokens
+    hf_sequential(model, [warmup], 2)
+    checked = prompts[: args.check] if args.skip_baselines else prompts
     seq_s, reference = hf_sequential(model, checked, n)
     _exact(reference, n, "model.generate")
     res.checked = len(checked)
     res.mismatched_ids = [i for i, r in enumerate(reference) if ours[i] != r]
     res.matched = res.checked - len(res.mismatched_ids)
     if args.skip_baselines:
-        return res
+        return
     res.sequential_s, res.sequential_tok_s = seq_s, total / seq_s
-    hf_generate_batch(model, tiny, 2)
-    gb_s, gb = hf_generate_batch(model, prompts, n)
+    hf_generate_batch(model, [warmup], 2, args.hf_page_size)
+    res.generate_batch_call_s, gb_s, gb = hf_generate_batch(model, prompts, n, args.hf_page_size)
     _exact(gb, n, "generate_batch")
     res.generate_batch_s, res.generate_batch_tok_s = gb_s, total / gb_s
     res.generate_batch_matched = sum(1 for a, b in zip(gb, reference, strict=True) if a == b)
-    return res
 
 
 # ---- report -----------------------------------------------------------------------------------
 def print_seed(r: SeedResult, block_size: int) -> None:
-    cacheable = SEED_SYSTEM_TOKENS // block_size * block_size
-    print(f"== Scenario 1: {SEED_SYSTEM_TOKENS}-token system prompt + {r.requests} questions "
-          f"({r.prompt_tokens - r.requests * SEED_SYSTEM_TOKENS} tokens), one request at a time")
-    print(f"  prefill tokens computed: without cache {r.computed_without_cache} / {r.prompt_tokens}, "
-          f"with cache {r.computed_with_cache} / {r.prompt_tokens} ({r.saved_fraction:.1%} saved)")
-    print(f"  requests that hit the cache: {r.hits}/{r.requests}; cached tokens per request "
-          f"{r.cached_per_request}")
-    print(f"  (block size {block_size}: the system prompt fills {SEED_SYSTEM_TOKENS // block_size} "
-          f"full blocks = {cacheable} cacheable tokens, so the floor is "
-          f"{r.prompt_tokens} - {r.requests - 1} x {cacheable} = "
-          f"{r.prompt_tokens - (r.requests - 1) * cacheable})")
-    print(f"  time to first token: no cache median {r.ttft_no_cache_median_ms:.1f} ms, "
-          f"cold first request {r.ttft_cold_first_ms:.1f} ms, warm median "
-          f"{r.ttft_warm_median_ms:.1f} ms (x{r.ttft_no_cache_median_ms / r.ttft_warm_median_ms:.2f} faster)")
-    print(f"  greedy outputs with and without cache identical: {r.outputs_equal}")
+    full_blocks = SEED_SYSTEM_TOKENS // block_size
+    cacheable = full_blocks * block_size
+    say(f"== Scenario 1: {SEED_SYSTEM_TOKENS}-token system prompt + {r.requests} questions "
+        f"({r.prompt_tokens - r.requests * SEED_SYSTEM_TOKENS} tokens), one request at a time")
+    say(f"  prefill tokens computed: without cache {r.computed_without_cache} / {r.prompt_tokens}, "
+        f"with cache {r.computed_with_cache} / {r.prompt_tokens} ({r.saved_fraction:.1%} saved)")
+    say(f"  requests that hit the cache: {r.hits}/{r.requests}; cached tokens per request "
+        f"{r.cached_per_request}")
+    say(f"  (blocks of {block_size}: the system prompt fills {full_blocks} full blocks = {cacheable} "
+        f"cacheable tokens, so expect {r.prompt_tokens} - {r.requests - 1} x {cacheable} = "
+        f"{r.prompt_tokens - (r.requests - 1) * cacheable})")
+    say(f"  time to first token: no cache median {r.ttft_no_cache_median_ms:.1f} ms, "
+        f"cold first request {r.ttft_cold_first_ms:.1f} ms, warm median {r.ttft_warm_median_ms:.1f} ms "
+        f"(x{r.ttft_no_cache_median_ms / r.ttft_warm_median_ms:.2f} faster)")
+    say(f"  greedy outputs with and without cache identical: {r.outputs_equal}")
+
+
+def _row(label: str, tok_s: float, detail: str) -> None:
+    say(f"  {label:<46} {tok_s:7.1f} output tok/s  ({detail})")
 
 
 def print_throughput(r: ThroughputResult, args: argparse.Namespace) -> None:
-    print(f"== Scenario 2: {r.requests} requests, {args.system_tokens}-token shared system prompt "
-          f"({r.prompt_tokens} prompt tokens), {r.new_tokens} new tokens each, greedy")
-    print(f"  ours (continuous batching + prefix cache): {r.ours_tok_s:7.1f} output tok/s "
-          f"({r.ours_s:.1f} s, {r.ours_steps} steps, {r.ours_cached_tokens} prompt tokens from cache)")
-    if r.generate_batch_tok_s is not None:
-        print(f"  transformers generate_batch (sdpa):       {r.generate_batch_tok_s:7.1f} output tok/s "
-              f"({r.generate_batch_s:.1f} s)")
-        print(f"  transformers model.generate, sequential:  {r.sequential_tok_s:7.1f} output tok/s "
-              f"({r.sequential_s:.1f} s)")
-        print(f"  ratio ours / generate_batch: x{r.ratio_generate_batch:.2f}   "
-              f"ours / sequential: x{r.ratio_sequential:.2f}")
+    say(f"== Scenario 2: {r.requests} requests, {args.system_tokens}-token shared system prompt "
+        f"({r.prompt_tokens} prompt tokens), {r.new_tokens} new tokens each, greedy")
+    _row("ours (continuous batching + prefix cache)", r.ours_tok_s,
+         f"{r.ours_s:.1f} s, {r.ours_steps} steps, {r.ours_cached_tokens} prompt tokens from cache")
+    if r.generate_batch_tok_s is not None and r.sequential_tok_s is not None:
+        _row(f"transformers generate_batch (sdpa, page {args.hf_page_size})", r.generate_batch_tok_s,
+             f"{r.generate_batch_s:.1f} s in flight, {r.generate_batch_call_s:.1f} s whole call")
+        _row("transformers model.generate, one at a time", r.sequential_tok_s, f"{r.sequential_s:.1f} s")
+        say(f"  ratio ours / generate_batch: x{r.ratio_generate_batch:.2f}   "
+            f"ours / sequential: x{r.ratio_sequential:.2f}")
     if r.checked:
         verdict = "matched" if not r.mismatched_ids else f"MISMATCH on requests {r.mismatched_ids}"
-        print(f"  correctness: our greedy tokens vs model.generate on {r.checked} requests: "
-              f"{r.matched}/{r.checked} {verdict}")
+        say(f"  correctness: our greedy tokens vs model.generate on {r.checked} requests: "
+            f"{r.matched}/{r.checked} {verdict}")
     if r.generate_batch_matched is not None:
-        print(f"  (generate_batch vs model.generate: {r.generate_batch_matched}/{r.checked} identical)")
+        say(f"  (generate_batch vs model.generate: {r.generate_batch_matched}/{r.checked} identical)")
 
 
 def to_json(seed: SeedResult, tp: ThroughputResult, args: argparse.Namespace, engine: LLMEngine) -> dict:
@@ -348,6 +386,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip generate_batch and timed sequential generate (still checks --check requests)")
     p.add_argument("--check", type=int, default=2,
                    help="with --skip-baselines: requests to compare with model.generate (0: none)")
+    p.add_argument("--hf-page-size", type=int, default=64,
+                   help="generate_batch cache page size (transformers' default is 256)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     return p.parse_args(argv)
 
@@ -355,9 +395,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()  # weight-loading bars would interleave with the report
     t0 = time.perf_counter()
     engine = LLMEngine(model=args.model)
-    print(f"model {engine.model_path.name} loaded in {time.perf_counter() - t0:.1f} s; "
+    say(f"model {engine.model_path.name} loaded in {time.perf_counter() - t0:.1f} s; "
           f"torch {torch.__version__}, {args.threads} threads, block size {engine.config.block_size}")
     warm_up(engine)
     seed = scenario_seed(engine, args.seed_new_tokens)

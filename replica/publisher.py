@@ -138,7 +138,7 @@ class BlockPublisher:
                 await asyncio.sleep(self.config.flush_s)
             except asyncio.CancelledError:
                 raise
-            except (OSError, aioredis.RedisError) as e:
+            except Exception as e:  # Redis errors, timeouts, anything: never let publishing die
                 self.stats.errors += 1
                 if self.stats.connected:
                     log.warning("redis unavailable (%r); will resync when it is back", e)

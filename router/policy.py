@@ -204,17 +204,20 @@ class AffinityPolicy(Policy):
     it. With 4, a holder keeps a conversation until its queue is ~4x the prefill the cache saves;
     only real overload moves it, and the request that moves is not the one in the TTFT tail.
 
-    Among replicas whose cost is within `balance_tolerance` tokens of the lowest, the one that
+    Among replicas whose cost is within `balance_tolerance` x this request's prompt tokens of the
+    lowest, the one that
     was sent the least prefill work recently wins (a decayed tally over the last
     ~balance_memory decisions per replica). Without it, cold requests go to whichever idle
     replica comes first and work piles up unevenly over a minute even though every queue looks
     short; evening out new work also evens out how fast each replica's LRU turns over.
 
     Sessions: the replica that served the previous turn is kept while its cost is within
-    `session_slack` times the lowest cost plus `session_margin` tokens, so a turn whose blocks
-    were evicted still lands where the next turn will look for them.
+    `session_slack` times the lowest cost plus `session_margin` x the prompt tokens, so a turn
+    whose blocks were evicted still lands where the next turn will look for them.
 
-    Defaults were tuned with the simulator on the Mooncake trace (docs/simulator.md).
+    Both margins are relative to the request's own size, so the same defaults hold for 100-token
+    chats on 16-token blocks and 8k-token prompts on 512-token blocks. Defaults were tuned with
+    the simulator on the Mooncake trace (docs/simulator.md) and checked on the live stack.
     """
 
     name = "affinity"
@@ -226,8 +229,8 @@ class AffinityPolicy(Policy):
         miss_weight: float = 4.0,
         decode_weight: float = 256.0,
         session_slack: float = 1.25,
-        session_margin: float = 2048.0,
-        balance_tolerance: float = 4096.0,
+        session_margin: float = 0.25,
+        balance_tolerance: float = 0.5,
         balance_memory: float = 64.0,
     ) -> None:
         super().__init__(seed=seed)
@@ -267,12 +270,12 @@ class AffinityPolicy(Policy):
     def _decide(self, request, replicas, session_replica):
         costs = {v.replica_id: self.cost(request, v) for v in replicas}
         low = min(costs.values())
-        near = [v for v in replicas if costs[v.replica_id] <= low + self.balance_tolerance]
+        near = [v for v in replicas if costs[v.replica_id] <= low + self.balance_tolerance * request.num_prompt_tokens]
         recent = self._recent
         best = self._argmin(near, lambda r: (recent.get(r.replica_id, 0.0), costs[r.replica_id]))
         if session_replica is not None and session_replica != best.replica_id:
             home = next((v for v in replicas if v.replica_id == session_replica), None)
-            limit = self.session_slack * low + self.session_margin
+            limit = self.session_slack * low + self.session_margin * request.num_prompt_tokens
             if home is not None and costs[session_replica] <= limit:
                 return Decision(home.replica_id, "session", home.matched_blocks)
         if session_replica == best.replica_id:

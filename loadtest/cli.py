@@ -1,0 +1,375 @@
+"""`prefixgate loadtest run|compare|plot`: Locust runs against the gateway and policy comparisons.
+
+run      one headless Locust run against a running gateway: Locust CSVs, records.jsonl, summary.json
+compare  one stack, redeployed once per routing policy (cold caches each time), the same seeded
+         load against each; prints one table, writes compare.json and compare.png
+plot     redraw the PNG from a summary.json or compare.json
+
+Locust runs as a subprocess of this interpreter (`python -m locust`), so its gevent
+monkey-patching never touches the Ray driver that `compare` holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from loadtest.summary import format_table, load_records, summarize
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "loadtest" / "results"
+ALL_POLICIES = ("affinity", "prefix", "session", "pow2", "random", "ray-prefix", "ray-session")
+DEFAULT_COMPARE = ("affinity", "session", "pow2", "random", "ray-prefix", "ray-session", "prefix")
+
+
+@dataclass
+class LoadSpec:
+    """What Locust sends: identical across the policies of a comparison."""
+
+    workload: str = "chat"  # chat | trace | chat,trace
+    users: int = 4
+    spawn_rate: float = 4.0
+    duration_s: int = 120  # hard stop; a run normally ends when every user ran out of work
+    seed: int = 0
+    system_prompts: int = 4
+    system_tokens: int = 300
+    user_tokens: int = 48
+    turns: int = 4
+    sessions_per_user: int = 2
+    think_min: float = 0.5
+    think_max: float = 1.5
+    max_tokens: int = 24
+    trace_file: str | None = None
+    trace_start: int = 0
+    trace_requests: int = 100
+    trace_speedup: float = 1.0
+    trace_block_tokens: int = 16
+    trace_max_prompt: int = 1024
+    trace_max_output: int = 16
+
+    def user_classes(self) -> list[str]:
+        names = {"chat": "ChatUser", "trace": "TraceUser"}
+        out = []
+        for w in self.workload.split(","):
+            if w.strip() not in names:
+                raise ValueError(f"unknown workload {w!r}; use chat, trace or chat,trace")
+            out.append(names[w.strip()])
+        return out
+
+    def locust_argv(self, url: str, out_dir: Path, label: str) -> list[str]:
+        argv = [
+            sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+            "-u", str(self.users), "-r", str(self.spawn_rate), "-t", f"{self.duration_s}s",
+            "--host", url, "--csv", str(out_dir / "locust"), "--only-summary", "--loglevel", "WARNING",
+            "--records", str(out_dir / "records.jsonl"), "--run-label", label,
+            "--seed", str(self.seed), "--system-prompts", str(self.system_prompts),
+            "--system-tokens", str(self.system_tokens), "--user-tokens", str(self.user_tokens),
+            "--turns", str(self.turns), "--sessions-per-user", str(self.sessions_per_user),
+            "--think-min", str(self.think_min), "--think-max", str(self.think_max),
+            "--max-tokens", str(self.max_tokens),
+            "--trace-start", str(self.trace_start), "--trace-requests", str(self.trace_requests),
+            "--trace-speedup", str(self.trace_speedup), "--trace-block-tokens", str(self.trace_block_tokens),
+            "--trace-max-prompt", str(self.trace_max_prompt), "--trace-max-output", str(self.trace_max_output),
+        ]
+        if self.trace_file:
+            argv += ["--trace-file", self.trace_file]
+        return argv + self.user_classes()
+
+
+# Presets fill every setting the command line leaves unset.
+PRESETS: dict[str, dict] = {
+    # 2 CPU replicas of the default model, ample cache (~700 blocks each): every system prompt
+    # fits everywhere, so where a session's later turns land is what tells policies apart.
+    # Think times of 2-4 s keep the replicas out of saturation (and queue-length routers honest).
+    "small": dict(replicas=2, users=8, system_prompts=4, system_tokens=256, user_tokens=16, turns=7,
+                  sessions_per_user=1, max_tokens=24, think_min=2.0, think_max=4.0, duration_s=150),
+    # The same machine, caches too small for the system prompts: 8 prompts of ~480 tokens
+    # (30 blocks each, 240 in all) against 200 blocks per replica, short two-turn chats.
+    "tight": dict(replicas=2, users=8, system_prompts=8, system_tokens=480, user_tokens=16, turns=2,
+                  sessions_per_user=3, max_tokens=16, think_min=1.0, think_max=2.0, duration_s=150,
+                  num_blocks=200),
+    # A GPU cluster: more replicas, users and prompts; run with --ray-address auto.
+    "cluster": dict(replicas=8, users=64, system_prompts=32, system_tokens=1500, user_tokens=120,
+                    turns=6, sessions_per_user=4, max_tokens=128, think_min=2.0, think_max=6.0,
+                    duration_s=900, spawn_rate=8.0),
+}
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load (unset: the preset's value, else LoadSpec's default)")
+    g.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    g.add_argument("--workload", default=None, help="chat | trace | chat,trace")
+    g.add_argument("-u", "--users", type=int, default=None)
+    g.add_argument("-r", "--spawn-rate", type=float, default=None)
+    g.add_argument("-t", "--duration", dest="duration_s", type=int, default=None,
+                   help="hard time limit per run, seconds")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--system-prompts", type=int, default=None)
+    g.add_argument("--system-tokens", type=int, default=None)
+    g.add_argument("--user-tokens", type=int, default=None)
+    g.add_argument("--turns", type=int, default=None)
+    g.add_argument("--sessions-per-user", type=int, default=None, help="0: keep chatting until --duration")
+    g.add_argument("--think-min", type=float, default=None)
+    g.add_argument("--think-max", type=float, default=None)
+    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--trace-file", default=None)
+    g.add_argument("--trace-start", type=int, default=None)
+    g.add_argument("--trace-requests", type=int, default=None)
+    g.add_argument("--trace-speedup", type=float, default=None)
+    g.add_argument("--trace-block-tokens", type=int, default=None)
+    g.add_argument("--trace-max-prompt", type=int, default=None)
+    g.add_argument("--trace-max-output", type=int, default=None)
+    p.add_argument("--out", default=None, help=f"output folder (default: {DEFAULT_OUT}/<command>-<time>)")
+
+
+def _preset(args: argparse.Namespace) -> dict:
+    return dict(PRESETS[args.preset]) if getattr(args, "preset", None) else {}
+
+
+def spec_from_args(args: argparse.Namespace) -> LoadSpec:
+    preset = _preset(args)
+    values = {}
+    for f in fields(LoadSpec):
+        v = getattr(args, f.name, None)
+        if v is None:
+            v = preset.get(f.name)
+        if v is not None:
+            values[f.name] = v
+    return LoadSpec(**values)
+
+
+def _out_dir(args: argparse.Namespace, command: str) -> Path:
+    out = Path(args.out) if args.out else DEFAULT_OUT / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run_locust(spec: LoadSpec, url: str, out_dir: Path, label: str = "") -> dict:
+    """One headless Locust run; returns its summary (also written to out_dir/summary.json)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = out_dir / "records.jsonl"
+    if records.exists():
+        records.unlink()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    log = out_dir / "locust.log"
+    started = time.time()
+    with log.open("w") as f:
+        proc = subprocess.run(spec.locust_argv(url, out_dir, label), stdout=f, stderr=subprocess.STDOUT,
+                              env=env, cwd=REPO, timeout=spec.duration_s + 120)
+    summary = summarize(load_records(records), label or None)
+    summary["locust_exit_code"] = proc.returncode
+    summary["wall_s"] = time.time() - started
+    summary["settings"] = asdict(spec)
+    if proc.returncode not in (0, 1):  # 1: some request failed (counted in errors)
+        tail = log.read_text()[-3000:]
+        summary["locust_failure"] = tail
+        print(f"[loadtest] locust exited with {proc.returncode}; last output:\n{tail}", file=sys.stderr)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# ---- run ----------------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    out = _out_dir(args, "run")
+    print(f"[loadtest] {spec.workload}: {spec.users} users against {args.url}; output in {out}", flush=True)
+    s = run_locust(spec, args.url, out, args.label)
+    print(format_table([s]))
+    print(f"[loadtest] summary: {out / 'summary.json'}")
+    if args.plot:
+        from loadtest.plot import plot_runs
+
+        plot_runs([s], out / "summary.png", title=f"{args.url} ({spec.workload})")
+    return 0 if s["requests"] > 0 and s.get("locust_exit_code") in (0, 1) else 1
+
+
+# ---- compare ------------------------------------------------------------------------------------
+def _warm_up(url: str, n: int, tag: str) -> None:
+    """A few short requests so no replica pays its first-call overhead inside the measured run;
+    under one block (16 tokens) each, so they leave nothing in the cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def one(i: int) -> None:
+        httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"model": model, "prompt": f"Warm {tag} {i}.", "max_tokens": 2, "temperature": 0})
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(one, range(n)))
+
+
+def _compare_checks(rows: list[dict]) -> list[str]:
+    """Ratios the docs' targets are stated in, against affinity."""
+    by = {r["policy"]: r for r in rows}
+    base = by.get("affinity")
+    if not base:
+        return []
+    out = []
+    for name, r in by.items():
+        if name == "affinity":
+            continue
+        parts = [name]
+        if base["prefill_tokens"]:
+            parts.append(f"prefill vs affinity {r['prefill_tokens'] / base['prefill_tokens']:.2f}x")
+        if r.get("hit_rate") and base.get("hit_rate") is not None:
+            parts.append(f"affinity hit rate {base['hit_rate'] / r['hit_rate']:.2f}x of it")
+        if r.get("ttft_p50_s") and base.get("ttft_p50_s"):
+            parts.append(f"TTFT p50 {r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x affinity's")
+        out.append(", ".join(parts))
+    return out
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from gateway.config import AppConfig
+    from gateway.local_redis import free_port
+    from gateway.stack import APP_NAME, LocalStack
+
+    preset = _preset(args)
+    spec = spec_from_args(args)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in ALL_POLICIES + ("least-loaded",)]
+    if unknown:
+        print(f"unknown policies: {unknown}", file=sys.stderr)
+        return 2
+    replicas = args.replicas or preset.get("replicas", 2)
+    num_blocks = args.num_blocks if args.num_blocks is not None else preset.get("num_blocks")
+    out = _out_dir(args, "compare")
+    run_id = time.strftime("%H%M%S")
+    port = args.port or free_port()
+
+    def config(policy: str) -> AppConfig:
+        return AppConfig(
+            model=args.model, replicas=replicas, policy=policy, redis_url=args.redis_url or "auto",
+            key_prefix=f"loadtest-{run_id}-{policy}", num_blocks=num_blocks, kv_cache_mb=args.kv_cache_mb,
+            max_model_len=args.max_model_len, default_max_tokens=spec.max_tokens, seed=spec.seed,
+            replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus, device=args.device,
+        )
+
+    settings = {"policies": policies, "replicas": replicas, "num_blocks": num_blocks,
+                "kv_cache_mb": args.kv_cache_mb, "load": asdict(spec), "argv": sys.argv}
+    print(f"[loadtest] compare {', '.join(policies)}: {replicas} replicas, num_blocks={num_blocks or 'from kv_cache_mb'}, "
+          f"{spec.users} users x {spec.sessions_per_user} chats x {spec.turns} turns; output in {out}", flush=True)
+    t_start = time.time()
+    stack = LocalStack(config(policies[0]), port=port, host=args.host, ray_address=args.ray_address)
+    rows: list[dict] = []
+    try:
+        stack.start()
+        url = args.url or stack.url
+        for i, policy in enumerate(policies):
+            t0 = time.time()
+            if i > 0:
+                from ray import serve
+
+                serve.delete(APP_NAME)  # fresh replicas: every policy starts with cold caches
+                stack.deploy(config(policy))
+            _warm_up(url, 2 * replicas, f"{run_id}-{policy}")
+            t_ready = time.time()
+            s = run_locust(spec, url, out / policy, policy)
+            s["deploy_s"] = t_ready - t0
+            try:
+                import httpx
+
+                (out / policy / "metrics.txt").write_text(httpx.get(f"{url}/metrics", timeout=10).text)
+            except Exception as e:  # the table does not depend on it
+                print(f"[loadtest] /metrics not saved: {e!r}", file=sys.stderr)
+            rows.append(s)
+            print(f"[loadtest] {policy}: {s['requests']} requests, hit {_pct(s['hit_rate'])}, "
+                  f"{s['errors']} errors, deploy {s['deploy_s']:.0f}s + run {s['wall_s']:.0f}s", flush=True)
+    finally:
+        stack.stop()
+    result = {"settings": settings, "runs": rows, "elapsed_s": time.time() - t_start}
+    (out / "compare.json").write_text(json.dumps(result, indent=2))
+    _print_compare(result)
+    from loadtest.plot import plot_runs
+
+    png = plot_runs(rows, out / "compare.png", title=_title(result))
+    print(f"[loadtest] {out / 'compare.json'}, {png}; {result['elapsed_s']:.0f}s in all")
+    return 0 if rows and all(r["requests"] for r in rows) else 1
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _title(result: dict) -> str:
+    s = result.get("settings", {})
+    load = s.get("load", {})
+    return (f"{s.get('replicas')} replicas, num_blocks={s.get('num_blocks') or 'default'}; {load.get('workload')}: "
+            f"{load.get('users')} users, {load.get('system_prompts')} system prompts x ~{load.get('system_tokens')} tok, "
+            f"{load.get('turns')} turns, max_tokens {load.get('max_tokens')}")
+
+
+def _print_compare(result: dict) -> None:
+    rows = result["runs"]
+    print(_title(result))
+    print(format_table(rows))
+    for line in _compare_checks(rows):
+        print("  " + line)
+
+
+# ---- plot ---------------------------------------------------------------------------------------
+def cmd_plot(args: argparse.Namespace) -> int:
+    from loadtest.plot import plot_runs
+
+    data = json.loads(Path(args.summary).read_text())
+    runs = data["runs"] if "runs" in data else [data]
+    out = Path(args.output) if args.output else Path(args.summary).with_suffix(".png")
+    plot_runs(runs, out, title=_title(data) if "runs" in data else None)
+    if "runs" in data:
+        _print_compare(data)
+    print(f"[loadtest] wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefixgate loadtest", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="one headless Locust run against a running gateway")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--label", default="", help="stored in the records and summary (e.g. the policy)")
+    p.add_argument("--plot", action="store_true", help="also write summary.png")
+    _add_load_args(p)
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("compare", help="the same load against each routing policy")
+    p.add_argument("--policies", default=",".join(DEFAULT_COMPARE),
+                   help=f"comma-separated, first is deployed first (choices: {', '.join(ALL_POLICIES)}, least-loaded)")
+    p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None, help="K/V blocks per replica (default: from --kv-cache-mb)")
+    p.add_argument("--kv-cache-mb", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--model", default=None, help="local HF model directory (default: bundled SmolLM2-135M)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--replica-cpus", type=float, default=0.5)
+    p.add_argument("--replica-gpus", type=float, default=0.0)
+    p.add_argument("--redis-url", default=None, help="default: start a local redis-server")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
+    p.add_argument("--host", default="127.0.0.1", help="Serve HTTP bind address")
+    p.add_argument("--port", type=int, default=None, help="Serve HTTP port (default: a free one)")
+    p.add_argument("--url", default=None, help="send load here instead of http://127.0.0.1:PORT")
+    _add_load_args(p)
+    p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("plot", help="redraw the PNG from summary.json or compare.json")
+    p.add_argument("summary")
+    p.add_argument("-o", "--output", default=None)
+    p.set_defaults(fn=cmd_plot)
+
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
