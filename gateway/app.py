@@ -3,12 +3,14 @@ request router chosen by policy name."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from gateway.config import AppConfig
 from gateway.server import Gateway
-from replica.default_model import resolve_model
+from replica.default_model import DEFAULT_MODEL_NAME
 from replica.deployment import PrefixCacheReplica, ReplicaSettings
 from replica.engine import EngineConfig
 
@@ -44,10 +46,11 @@ def router_config(config: AppConfig, model_id: str) -> RequestRouterConfig | Non
 
 
 def build_app(config: AppConfig) -> serve.Application:
-    model_dir = resolve_model(config.model)  # converts the bundled model once, before replicas start
-    model_id = config.model_name or model_dir.name
+    """Each process resolves the model itself (the bundled default is converted on first use on
+    each node), so the app builds anywhere; `prefixgate serve` converts it up front."""
+    model_id = config.model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
     engine = EngineConfig(
-        model=str(model_dir),
+        model=config.model,
         model_id=model_id,
         block_size=config.block_size,
         num_blocks=config.num_blocks,
@@ -74,8 +77,11 @@ def build_app(config: AppConfig) -> serve.Application:
     if rc is not None:
         options["request_router_config"] = rc
     replica = serve.deployment(PrefixCacheReplica, **options)
-    gateway = Gateway.options(ray_actor_options={"num_cpus": config.gateway_num_cpus}, max_ongoing_requests=1000)
-    app_settings = {**config.to_dict(), "model": str(model_dir), "model_name": model_id}
+    gateway_actor = {"num_cpus": config.gateway_num_cpus}
+    if config.gateway_resources:
+        gateway_actor["resources"] = dict(config.gateway_resources)
+    gateway = Gateway.options(ray_actor_options=gateway_actor, max_ongoing_requests=1000)
+    app_settings = {**config.to_dict(), "model_name": model_id}
     return gateway.bind(replica.bind(settings.to_dict()), app_settings)
 
 

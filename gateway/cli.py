@@ -32,6 +32,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument("--api-keys", default=None, help="JSON file mapping API key -> tenant; enables 401 for others")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    p.add_argument("--replica-resources", default=None, help='JSON of custom Ray resources per replica, e.g. {"replica_node": 1}')
 
 
 def config_from_args(args: argparse.Namespace) -> AppConfig:
@@ -48,6 +49,7 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         max_model_len=args.max_model_len, device=args.device, replica_num_cpus=args.replica_cpus,
         replica_num_gpus=args.replica_gpus, max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests, api_keys=api_keys,
+        replica_resources=json.loads(args.replica_resources) if args.replica_resources else {},
     )
 
 
@@ -55,8 +57,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import httpx
 
     from gateway.stack import LocalStack
+    from replica.default_model import resolve_model
 
     config = config_from_args(args)
+    if args.ray_address and config.redis_url == "auto":
+        print("[prefixgate] --ray-address needs --redis-url (or REDIS_URL): replicas on other nodes "
+              "cannot reach a Redis started on 127.0.0.1 here", file=sys.stderr)
+        return 2
+    resolve_model(config.model)  # convert the bundled model once, before replicas start
     print(f"[prefixgate] starting: {config.replicas} replicas, policy {config.policy}, port {args.port}", flush=True)
     stack = LocalStack(config, port=args.port, host=args.host, ray_address=args.ray_address)
     stop = threading.Event()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 
 
@@ -34,6 +35,7 @@ class AppConfig:
     session_ttl_s: int = 1800
     seed: int | None = None
     gateway_num_cpus: float = 0.25
+    gateway_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"head_node": 0.01}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> AppConfig:
@@ -42,6 +44,8 @@ class AppConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown settings: {sorted(unknown)}; valid: {sorted(known)}")
+        if isinstance(d.get("redis_url"), str):  # Serve config files: redis://${HEAD_IP}:6379
+            d["redis_url"] = os.path.expandvars(d["redis_url"])
         return cls(**d)
 
     def to_dict(self) -> dict:

@@ -138,6 +138,7 @@ class Gateway:
                     return
                 m.RETRIES.inc()
                 log.warning("replica failed before the first token of %s; retrying (%r)", req.request_id, e)
+                await asyncio.sleep(0.2 * attempt)  # let Serve drop the dead replica from routing
             finally:
                 gen.cancel()  # no-op when complete; aborts the replica's work when we stop early
 
@@ -181,6 +182,8 @@ class Gateway:
             else:
                 prompt_ids, prompt_text = self.prompts.completion(body)
             session = request.headers.get("x-session-id") or body.user or None
+            if session and tenant:
+                session = f"{tenant}/{session}"  # one tenant cannot steer another's sessions
             self._admit(body.n)
             streams = await self._generate(body, prompt_ids, prompt_text, session, tenant)
         except APIError as e:
@@ -207,7 +210,8 @@ class Gateway:
             run.close()
 
     @app.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        self._tenant(request)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "prefixgate"}]}
 
     @app.get("/health")

@@ -43,26 +43,33 @@ class LocalStack:
         self.deploy(self.config, timeout_s)
         return self
 
-    def deploy(self, config: AppConfig, timeout_s: float = 300.0) -> None:
-        """(Re)deploy the app with new settings, e.g. another policy; waits until it answers."""
+    def deploy(self, config: AppConfig, timeout_s: float = 300.0, name: str = APP_NAME, route_prefix: str = "/") -> str:
+        """(Re)deploy an app with new settings (e.g. another policy), or a second app beside it
+        under another name and route prefix; waits until it answers and returns its base URL."""
         from ray import serve
 
         from gateway.app import build_app
 
         if config.redis_url in (None, "", "auto") and self.redis is not None:
             config.redis_url = self.redis.url
-        self.config = config
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
-        self.wait_ready(timeout_s)
+        if name == APP_NAME:
+            self.config = config
+        serve.run(build_app(config), name=name, route_prefix=route_prefix, blocking=False)
+        base = self.url + route_prefix.rstrip("/")
+        self.wait_ready(timeout_s, base, config)
+        return base
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
+    def wait_ready(self, timeout_s: float = 300.0, base: str | None = None, config: AppConfig | None = None) -> None:
+        base = base or self.url
+        config = config or self.config
+        headers = {"authorization": f"Bearer {next(iter(config.api_keys))}"} if config.api_keys else {}
         deadline = time.monotonic() + timeout_s
         last = None
         while time.monotonic() < deadline:
             try:
-                r = httpx.get(f"{self.url}/v1/models", timeout=5)
+                r = httpx.get(f"{base}/v1/models", timeout=5, headers=headers)
                 if r.status_code == 200:
-                    r = httpx.get(f"{self.url}/health", timeout=10)
+                    r = httpx.get(f"{base}/health", timeout=10)
                     if r.status_code == 200:
                         return
                 last = r.text

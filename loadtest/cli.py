@@ -26,7 +26,7 @@ LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "loadtest" / "results"
 ALL_POLICIES = ("affinity", "prefix", "session", "pow2", "random", "ray-prefix", "ray-session")
-DEFAULT_COMPARE = ("affinity", "session", "pow2", "random", "ray-prefix", "ray-session", "prefix")
+DEFAULT_COMPARE = ALL_POLICIES
 
 
 @dataclass
@@ -91,10 +91,10 @@ PRESETS: dict[str, dict] = {
     "small": dict(replicas=2, users=8, system_prompts=4, system_tokens=256, user_tokens=16, turns=7,
                   sessions_per_user=1, max_tokens=24, think_min=2.0, think_max=4.0, duration_s=150),
     # The same machine, caches too small for the system prompts: 8 prompts of ~480 tokens
-    # (30 blocks each, 240 in all) against 200 blocks per replica, short two-turn chats.
+    # (30 blocks each, 240 in all) against 150 blocks per replica, short two-turn chats.
     "tight": dict(replicas=2, users=8, system_prompts=8, system_tokens=480, user_tokens=16, turns=2,
-                  sessions_per_user=3, max_tokens=16, think_min=1.0, think_max=2.0, duration_s=150,
-                  num_blocks=200),
+                  sessions_per_user=4, max_tokens=16, think_min=1.0, think_max=2.0, duration_s=150,
+                  num_blocks=150),
     # A GPU cluster: more replicas, users and prompts; run with --ray-address auto.
     "cluster": dict(replicas=8, users=64, system_prompts=32, system_tokens=1500, user_tokens=120,
                     turns=6, sessions_per_user=4, max_tokens=128, think_min=2.0, think_max=6.0,

@@ -88,6 +88,7 @@ class PrefixCacheReplica:
             "free_blocks": s.blocks_free,
             "cached_blocks": s.blocks_cached,
             "capacity_blocks": s.blocks_total,
+            "pid": os.getpid(),  # lets operators (and the fault tests) find the process
         }
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
