@@ -48,9 +48,10 @@ class AttentionMetadata:
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
     prefills: list[PrefillSegment] = field(default_factory=list)
+    block_size: int = 16
     num_decodes: int = 0  # the first num_decodes rows are single-token decodes
-    decode_slots: torch.Tensor | None = None  # [B, L] pool slots of each decode's context
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] True where a slot is valid
+    decode_block_tables: torch.Tensor | None = None  # [B, M] block ids of each decode's context
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, M * block_size] True where a slot is valid
 
 
 _metadata: AttentionMetadata | None = None
@@ -94,16 +95,29 @@ def paged_attention_forward(
         )
         out[seg.q_start : seg.q_end] = o[0].transpose(0, 1)
     if meta.num_decodes:
-        b, length = meta.decode_slots.shape
-        kv_shape = (b, length, k_pool.shape[1], k_pool.shape[2])
-        ks = k_pool.index_select(0, meta.decode_slots.view(-1)).view(kv_shape).transpose(1, 2)
-        vs = v_pool.index_select(0, meta.decode_slots.view(-1)).view(kv_shape).transpose(1, 2)
-        qd = q[:, : meta.num_decodes].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            qd, ks, vs, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True
-        )
-        out[: meta.num_decodes] = o[:, :, 0]
+        out[: meta.num_decodes] = _decode_attention(q[:, : meta.num_decodes], k_pool, v_pool, meta, scaling)
     return out.unsqueeze(0), None
+
+
+def _decode_attention(q: torch.Tensor, k_pool, v_pool, meta: AttentionMetadata, scaling: float | None) -> torch.Tensor:
+    """One query token per sequence over its paged context, for the whole batch at once.
+
+    Whole blocks are gathered (a few large copies rather than one per token), and grouped-query
+    heads are handled by reshaping the queries to [kv_heads, group] instead of expanding K/V.
+    q: [H, B, D] -> returns [B, H, D].
+    """
+    h, b, d = q.shape
+    kv_heads = k_pool.shape[1]
+    tables = meta.decode_block_tables.view(-1)
+    blocks_k = k_pool.view(-1, meta.block_size, kv_heads, d).index_select(0, tables)
+    blocks_v = v_pool.view(-1, meta.block_size, kv_heads, d).index_select(0, tables)
+    keys = blocks_k.view(b, -1, kv_heads, d).permute(0, 2, 3, 1)  # [B, KVH, D, L]
+    values = blocks_v.view(b, -1, kv_heads, d).transpose(1, 2)  # [B, KVH, L, D]
+    queries = q.transpose(0, 1).reshape(b, kv_heads, h // kv_heads, d)  # [B, KVH, G, D]
+    scores = torch.matmul(queries, keys).float() * (scaling if scaling is not None else d**-0.5)
+    scores.masked_fill_(~meta.decode_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).reshape(b, h, d)
 
 
 def _no_mask(*args, **kwargs) -> None:

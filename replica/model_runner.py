@@ -81,7 +81,8 @@ class ModelRunner:
         slot_parts: list[torch.Tensor] = []
         sample_rows: list[int] = []
         segments: list[PrefillSegment] = []
-        decode_slots = torch.zeros(len(decodes), max((c.end for c in decodes), default=0), dtype=torch.long)
+        max_blocks = max((len(c.seq.table.block_ids) for c in decodes), default=0)
+        decode_tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for i, c in enumerate(chunks):
             q_start = len(ids)
             ids += c.seq.token_ids[c.start : c.end]
@@ -91,19 +92,23 @@ class ModelRunner:
             if c.samples:
                 sample_rows.append(len(ids) - 1)
             if i < len(decodes):
-                decode_slots[i, : c.end] = slots
+                table = c.seq.table.block_ids
+                decode_tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
             elif c.start == 0:
                 segments.append(PrefillSegment(q_start, len(ids), None, None))
             else:
                 q_pos = torch.arange(c.start, c.end)
                 mask = torch.arange(c.end)[None, :] <= q_pos[:, None]
                 segments.append(PrefillSegment(q_start, len(ids), slots.to(self.device), mask.to(self.device)))
-        meta = AttentionMetadata(pool=self.pool, slot_mapping=torch.cat(slot_parts).to(self.device), prefills=segments)
+        meta = AttentionMetadata(
+            pool=self.pool, slot_mapping=torch.cat(slot_parts).to(self.device), prefills=segments,
+            block_size=self.block_size,
+        )
         if decodes:
             lengths = torch.tensor([c.end for c in decodes])
-            valid = torch.arange(decode_slots.shape[1])[None, :] < lengths[:, None]
+            valid = torch.arange(max_blocks * self.block_size)[None, :] < lengths[:, None]
             meta.num_decodes = len(decodes)
-            meta.decode_slots = decode_slots.to(self.device)
+            meta.decode_block_tables = decode_tables.to(self.device)
             meta.decode_mask = valid[:, None, None, :].to(self.device)
         return (
             torch.tensor([ids], device=self.device),
