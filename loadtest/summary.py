@@ -21,6 +21,7 @@ COLUMNS = (
     ("stickiness", "sticky", "{:.0%}"),
     ("ttft_p50_s", "TTFT p50", "{:.3f}s"),
     ("ttft_p99_s", "TTFT p99", "{:.3f}s"),
+    ("tpot_p50_s", "TPOT p50", "{:.3f}s"),
     ("output_tokens_per_s", "out tok/s", "{:.1f}"),
     ("prefill_tokens", "prefill computed", "{}"),
     ("later_turn_prefill_tokens", "prefill t>=2", "{}"),

@@ -46,8 +46,14 @@ def block_hashes(
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     h = seed if parent is None else parent
+    end = len(token_ids) // block_size
+    if end <= start:
+        return []
+    # pack once, slice per block: the same bytes as hash_block, a few times faster
+    data = struct.pack(f"<{(end - start) * block_size}I", *token_ids[start * block_size : end * block_size])
+    width = 4 * block_size
     out: list[int] = []
-    for b in range(start, len(token_ids) // block_size):
-        h = hash_block(h, token_ids[b * block_size : (b + 1) * block_size])
+    for i in range(end - start):
+        h = xxhash.xxh64_intdigest(h.to_bytes(8, "little") + data[i * width : (i + 1) * width])
         out.append(h)
     return out

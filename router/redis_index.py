@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from router.redis_keys import LOOKUP_SCRIPT, RedisKeys
+from router.redis_keys import HEARTBEAT_FIELDS, LOOKUP_SCRIPT, RedisKeys
 
 
 @dataclass
@@ -79,7 +79,7 @@ class RedisIndex:
         raw = await self._guard(self._lookup(args=args))
         result = Lookup(session_replica=raw[0] or None)
         for rid, matched, hb in raw[1:]:
-            fields = {hb[i]: int(float(hb[i + 1])) for i in range(0, len(hb), 2)}
+            fields = {k: int(v or 0) for k, v in zip(HEARTBEAT_FIELDS, hb)} if hb else {}
             result.replicas[rid] = ReplicaEntry(int(matched), fields)
         return result
 

@@ -46,10 +46,12 @@ end
 return removed
 """
 
+HEARTBEAT_FIELDS = ("running", "waiting", "pending_prefill_tokens", "free_blocks", "cached_blocks", "capacity_blocks")
+
 # One round trip per routing decision. ARGV = prefix, session key or "", number of replicas,
-# replica ids..., block hashes... Returns {session_replica or false, {rid, matched, hb...}...}:
-# for each replica the count of leading blocks it holds and its heartbeat fields (empty when
-# its heartbeat expired: a dead replica's blocks never count).
+# replica ids..., block hashes... Returns {session_replica or false, {rid, matched, load}...}:
+# for each replica the count of leading blocks it holds and its HEARTBEAT_FIELDS in order
+# (an empty list when its heartbeat expired: a dead replica's blocks never count).
 LOOKUP_SCRIPT = """
 local prefix = ARGV[1]
 local session = false
@@ -59,9 +61,11 @@ local first_hash = 4 + n
 local out = {session}
 for i = 1, n do
   local rid = ARGV[3 + i]
-  local hb = redis.call('HGETALL', prefix .. ':hb:' .. rid)
+  local hb = {}
   local matched = 0
-  if #hb > 0 then
+  if redis.call('EXISTS', prefix .. ':hb:' .. rid) == 1 then
+    hb = redis.call('HMGET', prefix .. ':hb:' .. rid, 'running', 'waiting', 'pending_prefill_tokens',
+                    'free_blocks', 'cached_blocks', 'capacity_blocks')
     local key = prefix .. ':blocks:' .. rid
     for j = first_hash, #ARGV do
       if redis.call('SISMEMBER', key, ARGV[j]) == 1 then matched = matched + 1 else break end

@@ -134,6 +134,8 @@ def test_async_soak_with_cancellations(tiny_model_dirs) -> None:
         nonlocal done
         outcomes[outcome] += 1
         done += 1
+        if done % 250 == 0:  # mid-run, with the step loop paused
+            aengine.call(check_pool_in_flight)
         if done == 1000:
             gc.collect()
             rss["first_1000"] = rss_mb()
@@ -173,7 +175,7 @@ def test_async_soak_with_cancellations(tiny_model_dirs) -> None:
 
     t0 = time.monotonic()
     try:
-        asyncio.run(asyncio.wait_for(scenario(), timeout=150))
+        asyncio.run(asyncio.wait_for(scenario(), timeout=300))  # a hang fails, it does not stall CI
         elapsed = time.monotonic() - t0
         deadline = time.monotonic() + 10  # the loop thread may still be finishing its last step
         while engine.has_unfinished and time.monotonic() < deadline:
@@ -211,7 +213,8 @@ def test_step_loop_soak_with_aborts(tiny_model_dirs) -> None:
     steps = 0
     t0 = time.monotonic()
     while submitted < total or engine.has_unfinished:
-        assert time.monotonic() - t0 < 120 and steps < 200_000, "the step loop does not drain"
+        assert steps < 30_000 and time.monotonic() - t0 < 300, (  # ~3.7k steps when healthy
+            f"the step loop does not drain: {steps} steps, {submitted} submitted, {dict(outcomes)}, {engine.stats()}")
         for _ in range(rng.randrange(0, 4)):  # arrivals
             if submitted < total and len(engine.requests) < 40:
                 rid = f"sync-{submitted}"
