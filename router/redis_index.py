@@ -79,7 +79,7 @@ class RedisIndex:
         raw = await self._guard(self._lookup(args=args))
         result = Lookup(session_replica=raw[0] or None)
         for rid, matched, hb in raw[1:]:
-            fields = {k: int(v or 0) for k, v in zip(HEARTBEAT_FIELDS, hb)} if hb else {}
+            fields = {k: int(v or 0) for k, v in zip(HEARTBEAT_FIELDS, hb, strict=True)} if hb else {}
             result.replicas[rid] = ReplicaEntry(int(matched), fields)
         return result
 
