@@ -58,6 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from gateway.stack import LocalStack
     from replica.default_model import resolve_model
+    from router.redis_index import redact
 
     config = config_from_args(args)
     if args.ray_address and config.redis_url == "auto":
@@ -72,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         stack.start()
         name = httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"]
-        print(f"\n[prefixgate] serving {name} at {stack.url}/v1  (Redis: {stack.config.redis_url})")
+        print(f"\n[prefixgate] serving {name} at {stack.url}/v1  (Redis: {redact(stack.config.redis_url)})")
         print("[prefixgate] try:\n"
               f"  curl {stack.url}/v1/chat/completions -H 'content-type: application/json' -H 'x-session-id: demo' \\\n"
               f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'")

@@ -1,9 +1,11 @@
-"""`prefixgate loadtest run|compare|plot`: Locust runs against the gateway and policy comparisons.
+"""`prefixgate loadtest run|compare|summarize|plot`: Locust runs and policy comparisons.
 
-run      one headless Locust run against a running gateway: Locust CSVs, records.jsonl, summary.json
-compare  one stack, redeployed once per routing policy (cold caches each time), the same seeded
-         load against each; prints one table, writes compare.json and compare.png
-plot     redraw the PNG from a summary.json or compare.json
+run        one headless Locust run against a running gateway: Locust CSVs, records.jsonl,
+           summary.json
+compare    one stack, redeployed once per routing policy (cold caches each time), the same
+           seeded load against each; prints one table, writes compare.json and compare.png
+summarize  one summary from one or more records.jsonl files (e.g. from several Locust machines)
+plot       redraw the PNG from a summary.json or compare.json
 
 Locust runs as a subprocess of this interpreter (`python -m locust`), so its gevent
 monkey-patching never touches the Ray driver that `compare` holds.
@@ -89,12 +91,13 @@ PRESETS: dict[str, dict] = {
     # fits everywhere, so where a session's later turns land is what tells policies apart.
     # Think times of 2-4 s keep the replicas out of saturation (and queue-length routers honest).
     "small": dict(replicas=2, users=8, system_prompts=4, system_tokens=256, user_tokens=16, turns=7,
-                  sessions_per_user=1, max_tokens=24, think_min=2.0, think_max=4.0, duration_s=150),
+                  sessions_per_user=1, max_tokens=24, think_min=2.0, think_max=4.0, duration_s=150,
+                  spawn_rate=8.0),
     # The same machine, caches too small for the system prompts: 8 prompts of ~480 tokens
     # (30 blocks each, 240 in all) against 150 blocks per replica, short two-turn chats.
     "tight": dict(replicas=2, users=8, system_prompts=8, system_tokens=480, user_tokens=16, turns=2,
                   sessions_per_user=4, max_tokens=16, think_min=1.0, think_max=2.0, duration_s=150,
-                  num_blocks=150),
+                  spawn_rate=8.0, num_blocks=150),
     # A GPU cluster: more replicas, users and prompts; run with --ray-address auto.
     "cluster": dict(replicas=8, users=64, system_prompts=32, system_tokens=1500, user_tokens=120,
                     turns=6, sessions_per_user=4, max_tokens=128, think_min=2.0, think_max=6.0,
@@ -187,7 +190,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         from loadtest.plot import plot_runs
 
         plot_runs([s], out / "summary.png", title=f"{args.url} ({spec.workload})")
-    return 0 if s["requests"] > 0 and s.get("locust_exit_code") in (0, 1) else 1
+    clean = s["requests"] > 0 and not s["errors"] and not s["aborted"]
+    return 0 if clean and s.get("locust_exit_code") in (0, 1) else 1
 
 
 # ---- compare ------------------------------------------------------------------------------------
@@ -284,16 +288,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 print(f"[loadtest] /metrics not saved: {e!r}", file=sys.stderr)
             rows.append(s)
             print(f"[loadtest] {policy}: {s['requests']} requests, hit {_pct(s['hit_rate'])}, "
-                  f"{s['errors']} errors, deploy {s['deploy_s']:.0f}s + run {s['wall_s']:.0f}s", flush=True)
+                  f"{s['errors']} errors, {s['aborted']} cut off by -t, deploy {s['deploy_s']:.0f}s + run {s['wall_s']:.0f}s", flush=True)
     finally:
         stack.stop()
-    result = {"settings": settings, "runs": rows, "elapsed_s": time.time() - t_start}
+    result = {"settings": settings, "runs": rows, "checks": _compare_checks(rows), "elapsed_s": time.time() - t_start}
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     _print_compare(result)
     from loadtest.plot import plot_runs
 
     png = plot_runs(rows, out / "compare.png", title=_title(result))
-    print(f"[loadtest] {out / 'compare.json'}, {png}; {result['elapsed_s']:.0f}s in all")
+    print(f"[loadtest] {out / 'compare.json'}, {png}; {time.time() - t_start:.0f}s in all")
     return 0 if rows and all(r["requests"] for r in rows) else 1
 
 
@@ -315,6 +319,18 @@ def _print_compare(result: dict) -> None:
     print(format_table(rows))
     for line in _compare_checks(rows):
         print("  " + line)
+
+
+# ---- summarize ----------------------------------------------------------------------------------
+def cmd_summarize(args: argparse.Namespace) -> int:
+    """Records from several Locust machines (or runs) -> one summary."""
+    records = [r for path in args.records for r in load_records(path)]
+    s = summarize(records, args.label or None)
+    print(format_table([s]))
+    if args.output:
+        Path(args.output).write_text(json.dumps(s, indent=2))
+        print(f"[loadtest] wrote {args.output}")
+    return 0 if records else 1
 
 
 # ---- plot ---------------------------------------------------------------------------------------
@@ -361,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default=None, help="send load here instead of http://127.0.0.1:PORT")
     _add_load_args(p)
     p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("summarize", help="summary of one or more records.jsonl files")
+    p.add_argument("records", nargs="+")
+    p.add_argument("--label", default="")
+    p.add_argument("-o", "--output", default=None, help="write the summary JSON here")
+    p.set_defaults(fn=cmd_summarize)
 
     p = sub.add_parser("plot", help="redraw the PNG from summary.json or compare.json")
     p.add_argument("summary")

@@ -170,6 +170,13 @@ class GatewayUser(User):
                         rec["error"] = "no usage in stream"
         except (requests.RequestException, ValueError) as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:200]
+        except gevent.GreenletExit:
+            # the run ended (-t) with this request in flight: keep it, so a request that never
+            # answers shows up instead of vanishing
+            rec.update(error=f"cut off by the end of the run after {time.perf_counter() - t0:.1f}s",
+                       aborted=True, latency_s=time.perf_counter() - t0)
+            _Records.write(self.opts.records, rec)
+            raise
         end = time.perf_counter()
         rec["latency_s"] = end - t0
         if usage is not None:
@@ -232,7 +239,7 @@ class ChatUser(GatewayUser):
         sid = f"chat-{o.seed}-{self.index}-{j}"
         messages = [{"role": "system", "content": system_prompt(o.seed, k, o.system_tokens)}]
         prev = None
-        gevent.sleep(rng.uniform(0.0, o.think_max))  # users do not all start in lockstep
+        gevent.sleep(rng.uniform(0.0, o.think_min))  # users do not all start in lockstep
         for turn in range(1, o.turns + 1):
             messages.append({"role": "user", "content": user_message(rng, o.user_tokens)})
             payload = {"model": self.model, "messages": messages, "max_tokens": o.max_tokens,

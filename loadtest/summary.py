@@ -26,6 +26,7 @@ COLUMNS = (
     ("prefill_tokens", "prefill computed", "{}"),
     ("later_turn_prefill_tokens", "prefill t>=2", "{}"),
     ("errors", "errors", "{}"),
+    ("aborted", "cut off", "{}"),
 )
 
 
@@ -63,9 +64,11 @@ def _ratio(a: float, b: float) -> float | None:
 
 def summarize(records: list[dict], label: str | None = None, bin_s: float = 10.0) -> dict:
     """The numbers of one run. Token sums and latencies count successful requests only; a
-    failed request counts in `errors` (by kind in `error_kinds`)."""
+    failed request counts in `errors` (by kind in `error_kinds`), one still in flight when the
+    run hit its time limit in `aborted`."""
     ok = [r for r in records if r.get("ok")]
-    failed = [r for r in records if not r.get("ok")]
+    failed = [r for r in records if not r.get("ok") and not r.get("aborted")]
+    aborted = [r for r in records if r.get("aborted")]
     prompt = sum(r.get("prompt_tokens", 0) for r in ok)
     cached = sum(r.get("cached_tokens", 0) for r in ok)
     completion = sum(r.get("completion_tokens", 0) for r in ok)
@@ -82,6 +85,7 @@ def summarize(records: list[dict], label: str | None = None, bin_s: float = 10.0
         "requests": len(records),
         "ok": len(ok),
         "errors": len(failed),
+        "aborted": len(aborted),  # in flight when the run hit its time limit
         "error_kinds": dict(Counter(str(r.get("error") or "unknown")[:80] for r in failed)),
         "prompt_tokens": prompt,
         "cached_tokens": cached,

@@ -105,34 +105,37 @@ class BlockPublisher:
     async def stop(self, unregister: bool = True) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            # bounded: a Redis call stuck in a socket must not hang the replica's shutdown
+            await asyncio.wait({self._task}, timeout=self.config.timeout_s * 4)
         if unregister and self._client is not None:
             try:
-                await self._client.delete(self.keys.heartbeat(self.config.replica_id), self.keys.blocks(self.config.replica_id))
-            except (OSError, aioredis.RedisError):
+                keys = self.keys.heartbeat(self.config.replica_id), self.keys.blocks(self.config.replica_id)
+                await asyncio.wait_for(self._client.delete(*keys), self.config.timeout_s * 2)
+            except Exception:  # Redis away: the heartbeat TTL and GC clean up instead
                 pass
         if self._client is not None:
-            await self._client.aclose()
+            try:
+                await asyncio.wait_for(self._client.aclose(), self.config.timeout_s * 2)
+            except Exception:
+                pass
 
     async def _run(self) -> None:
         self._client = connect(self.config.redis_url, self.config.timeout_s)
         gc = self._client.register_script(GC_SCRIPT)
         loop = asyncio.get_running_loop()
         next_beat = next_gc = 0.0
+        bound = self.config.timeout_s * 4  # no Redis call may hang the loop (e.g. a stuck TLS handshake)
         while True:
             try:
                 if self._resync:
-                    await self._full_resync()
-                await self._flush()
+                    await asyncio.wait_for(self._full_resync(), bound)
+                await asyncio.wait_for(self._flush(), bound)
                 now = loop.time()
                 if now >= next_beat:
-                    await self._heartbeat()
+                    await asyncio.wait_for(self._heartbeat(), bound)
                     next_beat = now + self.config.heartbeat_s
                 if now >= next_gc:
-                    await gc(args=[self.config.key_prefix])
+                    await asyncio.wait_for(gc(args=[self.config.key_prefix]), bound)
                     next_gc = now + self.config.gc_s
                 self.stats.connected = True
                 await asyncio.sleep(self.config.flush_s)

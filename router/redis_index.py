@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 
@@ -39,6 +40,15 @@ class Lookup:
 
 class IndexUnavailable(RuntimeError):
     """Redis did not answer in time (or is cooling down after a failure)."""
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for logs and messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def connect(url: str, timeout_s: float) -> aioredis.Redis:
@@ -90,5 +100,8 @@ class RedisIndex:
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+            client, self._client = self._client, None
+            try:
+                await asyncio.wait_for(client.aclose(), 1.0)
+            except Exception:
+                pass

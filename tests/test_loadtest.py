@@ -42,10 +42,11 @@ def test_summary_hit_rate_prefill_stickiness_and_errors():
         rec(103.0, 300, 0, turn=1, replica="b", session="s2", ttft=0.2),
         rec(104.0, 350, 288, turn=2, replica="b", prev="b", session="s2", ttft=0.1, lat=2.0),
         rec(104.5, 999, 999, ok=False, turn=3, replica=None, prev="b", session="s2", ttft=None, out=0),
+        {**rec(105.0, 0, 0, ok=False, ttft=None, out=0, lat=0.5), "aborted": True, "error": "cut off"},
     ]
     s = summarize(records, "affinity")
     assert s["policy"] == "affinity"
-    assert (s["requests"], s["ok"], s["errors"]) == (6, 5, 1)
+    assert (s["requests"], s["ok"], s["errors"], s["aborted"]) == (7, 5, 1, 1)
     assert s["error_kinds"] == {"HTTP 429: busy": 1}
     assert s["prompt_tokens"] == 2150 and s["cached_tokens"] == 928  # the failed one not counted
     assert s["hit_rate"] == pytest.approx(928 / 2150)
