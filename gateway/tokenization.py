@@ -48,7 +48,9 @@ class PromptBuilder:
             raise bad_request("prompt is empty", param="prompt")
         if any(t < 0 or t >= self.vocab_size for t in prompt):
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        return list(prompt), ""
+        # text for routers that match on characters (Ray's prefix router): ids spelled out keep
+        # equal id prefixes as equal text prefixes
+        return list(prompt), " ".join(map(str, prompt))
 
     def check_length(self, prompt_ids: list[int], requested: int | None) -> int:
         """max_tokens to use; refuses what cannot fit the context."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -23,6 +24,49 @@ from router.policy import Decision, ReplicaView, RouteRequest, make_policy
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
 log = logging.getLogger("prefixgate.router")
+
+
+INFLIGHT_TTL_S = 3.0  # long enough for a replica to finish the prefill and publish its blocks
+
+
+class InflightPrefixes:
+    """Prompts this router sent in the last few seconds, by block hash.
+
+    The index learns about blocks only once a replica has computed them; a second request with
+    the same new system prompt arriving meanwhile would look cold everywhere and could be sent
+    to compute it again elsewhere. Counting what we just routed closes that gap.
+    """
+
+    def __init__(self, ttl_s: float, max_entries: int = 200_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[int, tuple[str, float]] = OrderedDict()
+
+    def add(self, hashes: list[int], replica_id: str) -> None:
+        expires = time.monotonic() + self.ttl_s
+        for h in hashes:
+            self._entries[h] = (replica_id, expires)
+            self._entries.move_to_end(h)
+        self._prune()
+
+    def match(self, hashes: list[int]) -> dict[str, int]:
+        """Leading blocks of this prompt recently routed to one replica: {replica: count}."""
+        now = time.monotonic()
+        owner, count = None, 0
+        for h in hashes:
+            entry = self._entries.get(h)
+            if entry is None or entry[1] < now or (owner is not None and entry[0] != owner):
+                break
+            owner, count = entry[0], count + 1
+        return {owner: count} if owner is not None else {}
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        while self._entries:
+            h, (_, expires) = next(iter(self._entries.items()))
+            if expires >= now and len(self._entries) <= self.max_entries:
+                break
+            del self._entries[h]
 
 
 class PrefixGateRouter(RequestRouter):
@@ -52,6 +96,7 @@ class PrefixGateRouter(RequestRouter):
         )
         self._seeds: dict[str | None, int] = {}
         self._background: set[asyncio.Task] = set()
+        self.inflight = InflightPrefixes(INFLIGHT_TTL_S)
 
     def _hashes(self, req: GenerateRequest) -> list[int]:
         seed = self._seeds.get(req.cache_salt)
@@ -74,6 +119,7 @@ class PrefixGateRouter(RequestRouter):
         hashes = self._hashes(req)
         route = RouteRequest(hashes, len(req.prompt_token_ids), self.block_size, session)
         decision = await self._decide(route, by_id)
+        self.inflight.add(hashes, decision.replica_id)
         elapsed = time.perf_counter() - start
         metrics = router_metrics()
         metrics.latency.observe(elapsed)
@@ -98,6 +144,7 @@ class PrefixGateRouter(RequestRouter):
                 router_metrics().index_failures.inc()
             else:
                 views = []
+                pending = self.inflight.match(route.block_hashes)
                 for rid in ids:
                     entry = look.replicas.get(rid)
                     hb = entry.heartbeat if entry else {}
@@ -107,7 +154,7 @@ class PrefixGateRouter(RequestRouter):
                     views.append(
                         ReplicaView(
                             replica_id=rid,
-                            matched_blocks=entry.matched_blocks if entry else 0,
+                            matched_blocks=max(entry.matched_blocks if entry else 0, pending.get(rid, 0)),
                             running=hb.get("running", 0),
                             waiting=max(hb.get("waiting", 0), local_queue - hb.get("running", 0)),
                             pending_prefill_tokens=hb.get("pending_prefill_tokens", 0),
