@@ -31,7 +31,8 @@ class AppConfig:
     default_max_tokens: int = 256
     max_body_bytes: int = 4 * 2**20
     api_keys: dict[str, str] = field(default_factory=dict)  # API key -> tenant (each its own cache salt)
-    redis_timeout_s: float = 0.02
+    redis_timeout_s: float = 0.05  # per routing lookup; after a failure Redis is skipped for 1 s
+    first_token_timeout_s: float = 300.0  # a request not routed/started by then gets a 504
     session_ttl_s: int = 1800
     seed: int | None = None
     gateway_num_cpus: float = 0.25

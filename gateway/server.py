@@ -193,7 +193,11 @@ class Gateway:
         m.IN_FLIGHT.set(self.in_flight)
         run = RequestRun(self, body, streams, chat, arrival, len(prompt_ids))
         try:
-            headers = await run.start()
+            headers = await asyncio.wait_for(run.start(), self.config.first_token_timeout_s)
+        except TimeoutError:
+            run.close()
+            m.REQUESTS.labels(endpoint, "504").inc()
+            raise APIError(504, "no replica started this request in time", "server_error", code="timeout") from None
         except APIError as e:
             run.close()
             m.REQUESTS.labels(endpoint, str(e.status)).inc()

@@ -78,7 +78,7 @@ class PrefixGateRouter(RequestRouter):
         publish_depth: int = 64,
         redis_url: str | None = None,
         key_prefix: str = "prefixgate",
-        redis_timeout_s: float = 0.02,
+        redis_timeout_s: float = 0.05,
         session_ttl_s: int = 1800,
         seed: int | None = None,
         policy_options: dict | None = None,
