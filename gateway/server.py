@@ -59,8 +59,30 @@ def _describe(errors) -> str:
     return f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
 
 
+_SCHEMA_DEFS: dict[str, dict] = {}
+
+
 def _schema(model) -> dict:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    """Request body schema for routes that parse the body themselves; its nested models are
+    hoisted into components.schemas (see _openapi) so every $ref resolves."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    _SCHEMA_DEFS.update(schema.pop("$defs", {}))
+    _SCHEMA_DEFS[model.__name__] = schema
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi() -> dict:
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(_SCHEMA_DEFS)
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+app.openapi = _openapi
 
 
 @serve.deployment
@@ -84,9 +106,11 @@ class Gateway:
         if len(raw) > self.config.max_body_bytes:
             raise APIError(413, f"request body over {self.config.max_body_bytes} bytes", code="body_too_large")
         try:
-            data = json.loads(raw)
+            # strict UTF-8 first: json.loads(bytes) would let encoded surrogates through
+            data = json.loads(raw.decode("utf-8"))
+            json.dumps(data, ensure_ascii=False).encode("utf-8")  # escaped lone surrogates ("\ud800")
         except (ValueError, RecursionError):
-            raise bad_request("request body is not valid JSON (UTF-8)") from None
+            raise bad_request("request body is not valid JSON in UTF-8") from None
         if not isinstance(data, dict):
             raise bad_request("request body must be a JSON object")
         try:

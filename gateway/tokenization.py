@@ -20,6 +20,7 @@ class PromptBuilder:
         self.vocab_size = model_config.vocab_size
         limit = getattr(model_config, "max_position_embeddings", 2048)
         self.max_model_len = min(config.max_model_len or limit, limit)
+        self.pool_tokens = _pool_tokens(config, model_config)
         self.default_max_tokens = config.default_max_tokens
 
     def chat(self, body: ChatCompletionRequest) -> tuple[list[int], str]:
@@ -53,11 +54,12 @@ class PromptBuilder:
         return list(prompt), " ".join(map(str, prompt))
 
     def check_length(self, prompt_ids: list[int], requested: int | None) -> int:
-        """max_tokens to use; refuses what cannot fit the context."""
-        room = self.max_model_len - len(prompt_ids)
+        """max_tokens to use; refuses what cannot fit the context or a replica's K/V pool."""
+        room = min(self.max_model_len, self.pool_tokens) - len(prompt_ids)
         if room <= 0:
             raise bad_request(
-                f"prompt is {len(prompt_ids)} tokens; the model's context is {self.max_model_len}",
+                f"prompt is {len(prompt_ids)} tokens; the model's context is {self.max_model_len} and a "
+                f"replica's cache holds {self.pool_tokens}",
                 param="messages", code="context_length_exceeded",
             )
         if requested is None:
@@ -65,6 +67,20 @@ class PromptBuilder:
         if requested > room:
             raise bad_request(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({requested}) exceeds the model's context of "
-                f"{self.max_model_len} tokens", param="max_tokens", code="context_length_exceeded",
+                f"{self.max_model_len} tokens (or a replica's cache of {self.pool_tokens})", param="max_tokens",
+                code="context_length_exceeded",
             )
         return requested
+
+
+def _pool_tokens(config: AppConfig, model_config) -> int:
+    """Tokens one replica's K/V pool holds: the same arithmetic as the engine's sizing."""
+    import torch
+
+    from replica.model_runner import ModelShape
+
+    if config.num_blocks:
+        return config.num_blocks * config.block_size
+    dtype = torch.bfloat16 if config.device.startswith("cuda") else torch.float32  # 2 bytes either way on GPU
+    per_block = ModelShape.from_config(model_config).bytes_per_block(config.block_size, dtype)
+    return max(16, config.kv_cache_mb * 2**20 // per_block) * config.block_size
