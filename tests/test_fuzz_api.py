@@ -325,19 +325,16 @@ def test_openapi_refs_resolve(stack) -> None:
     assert _resolves(hoist_defs(doc), "#/components/schemas/ChatMessage")
 
 
-try:
-    import schemathesis
-    from schemathesis import GenerationMode
-    from schemathesis.checks import not_a_server_error
-    from schemathesis.specs.openapi.checks import (
-        content_type_conformance,
-        response_schema_conformance,
-        status_code_conformance,
-    )
-except ImportError:  # an optional test dependency: part (b) is skipped without it
-    schemathesis = None
+import schemathesis  # a test dependency (pyproject's test extra)
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
-needs_schemathesis = pytest.mark.skipif(schemathesis is None, reason="schemathesis is not installed")
+needs_schemathesis = pytest.mark.usefixtures()  # kept as a marker of which tests use schemathesis
 SCHEMATHESIS_EXAMPLES = 40  # per POST operation, positive and negative cases mixed
 
 
