@@ -325,10 +325,10 @@ def test_openapi_refs_resolve(stack) -> None:
     assert _resolves(hoist_defs(doc), "#/components/schemas/ChatMessage")
 
 
-import schemathesis  # a test dependency (pyproject's test extra)
-from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
+import schemathesis  # noqa: E402  (a test dependency, pyproject's test extra)
+from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
     content_type_conformance,
     response_schema_conformance,
     status_code_conformance,
