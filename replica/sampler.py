@@ -32,7 +32,7 @@ class Sampler:
             if params.greedy:
                 out.append(greedy[row])
                 continue
-            scores = logits[row].cpu() / params.temperature
+            scores = logits[row].cpu().double() / params.temperature
             if params.top_k > 0 and params.top_k < scores.numel():
                 kth = torch.topk(scores, params.top_k).values[-1]
                 scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -43,6 +43,9 @@ class Sampler:
                 drop = cumulative - sorted_probs > params.top_p  # keep the smallest set reaching top_p
                 sorted_probs[drop] = 0.0
                 probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+            if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+                out.append(greedy[row])  # degenerate distribution: never fail the whole step
+                continue
             token = torch.multinomial(probs, 1, generator=self._generator(request_id, params))
             out.append(int(token))
         return out

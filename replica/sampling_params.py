@@ -43,4 +43,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # a temperature this small is argmax in all but name, and dividing by it overflows
+        return self.temperature < 1e-5

@@ -128,3 +128,11 @@ def test_async_streaming_and_cancellation(tiny_model_dirs):
         assert stats.running == 0 and stats.waiting == 0 and stats.blocks_used == 0
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.parametrize("temperature", [1e-9, 1e-6, 100.0])
+def test_extreme_temperatures_never_break_the_step(engine, temperature):
+    other = engine.add_request([3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=temperature, top_p=1e-9, seed=1, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    assert other not in engine.requests  # the neighbour finished normally in the same steps
