@@ -29,7 +29,7 @@ from gateway.errors import APIError, bad_request
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.request_run import RequestRun
 from gateway.tokenization import PromptBuilder
-from replica.protocol import GenerateRequest
+from router.protocol.messages import GenerateRequest
 
 log = logging.getLogger("prefixgate.gateway")
 MAX_ATTEMPTS = 3

@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from replica.block_hash import block_hashes
+from router.protocol.hashing import block_hashes
 
 
 class KVEventListener(Protocol):

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 
 from replica.async_engine import AsyncLLMEngine, EngineDeadError
 from replica.engine import EngineConfig, InvalidRequestError, LLMEngine
-from replica.protocol import GenerateRequest
 from replica.publisher import BlockPublisher, PublisherConfig
 from replica.sampling_params import SamplingParams
+from router.protocol.messages import GenerateRequest
 
 log = logging.getLogger("prefixgate.replica")
 

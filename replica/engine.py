@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from replica.block_hash import block_hashes, chain_seed
 from replica.block_manager import BlockManager, KVEventListener
 from replica.default_model import resolve_model
 from replica.detokenizer import Detokenizer
@@ -27,6 +26,7 @@ from replica.sampler import Sampler
 from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler, SchedulerConfig
 from replica.sequence import Sequence
+from router.protocol.hashing import block_hashes, chain_seed
 
 __all__ = ["LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "InvalidRequestError"]
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from router.protocol.redis_schema import GC_SCRIPT, RedisKeys
 from router.redis_index import connect
-from router.redis_keys import GC_SCRIPT, RedisKeys
 
 log = logging.getLogger("prefixgate.publisher")
 

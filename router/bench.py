@@ -18,10 +18,10 @@ import time
 import redis
 
 from gateway.local_redis import LocalRedis
-from replica.block_hash import block_hashes, chain_seed
 from router.policy import ReplicaView, RouteRequest, make_policy
+from router.protocol.hashing import block_hashes, chain_seed
+from router.protocol.redis_schema import RedisKeys
 from router.redis_index import RedisConfig, RedisIndex
-from router.redis_keys import RedisKeys
 
 
 def populate(url: str, keys: RedisKeys, replicas: list[str], total: int, prompts: list[list[int]], seed: int) -> None:

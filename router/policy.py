@@ -30,7 +30,7 @@ class ReplicaView:
 
 @dataclass
 class RouteRequest:
-    block_hashes: list[int]  # chained hashes of the prompt's full blocks (replica.block_hash)
+    block_hashes: list[int]  # chained hashes of the prompt's full blocks (router.protocol.hashing)
     num_prompt_tokens: int
     block_size: int
     session_id: str | None = None

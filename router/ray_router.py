@@ -17,10 +17,10 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from replica.block_hash import block_hashes, chain_seed
-from replica.protocol import GenerateRequest
 from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
+from router.protocol.hashing import block_hashes, chain_seed
+from router.protocol.messages import GenerateRequest
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
 log = logging.getLogger("prefixgate.router")

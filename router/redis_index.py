@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 
-from router.redis_keys import HEARTBEAT_FIELDS, LOOKUP_SCRIPT, RedisKeys
+from router.protocol.redis_schema import HEARTBEAT_FIELDS, LOOKUP_SCRIPT, RedisKeys
 
 
 @dataclass

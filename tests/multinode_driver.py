@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when r
 
 from gateway.config import AppConfig  # noqa: E402
 from gateway.local_redis import LocalRedis, free_port  # noqa: E402
-from router.redis_keys import RedisKeys  # noqa: E402
+from router.protocol.redis_schema import RedisKeys  # noqa: E402
 
 RAY = str(Path(sys.executable).with_name("ray"))
 SYSTEM = (

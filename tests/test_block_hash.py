@@ -5,7 +5,7 @@ import struct
 import pytest
 import xxhash
 
-from replica.block_hash import block_hashes, chain_seed, hash_block
+from router.protocol.hashing import block_hashes, chain_seed, hash_block
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.block_hash import block_hashes
 from replica.block_manager import BlockManager, BlockTable
+from router.protocol.hashing import block_hashes
 
 BS = 4
 

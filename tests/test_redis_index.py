@@ -9,9 +9,9 @@ import uuid
 import pytest
 import redis
 
-from replica.block_hash import block_hashes
 from replica.block_manager import BlockManager, BlockTable
 from replica.publisher import BlockPublisher, PublisherConfig
+from router.protocol.hashing import block_hashes
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
 BS = 4
