@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 
 @dataclass
@@ -18,8 +18,32 @@ class GenerateRequest:
     route: dict[str, Any] | None = None  # set by our router: {"reason", "replica", "matched_blocks"}
 
 
-# Chunks are plain dicts (cheap to pickle across Ray):
-#   {"type": "start", "replica": id, "route": {...} | None}
-#   {"type": "delta", "token_ids": [...], "text": str}
-#   {"type": "end", "finish_reason": str, "prompt_tokens": n, "cached_tokens": n, "completion_tokens": n}
-#   {"type": "error", "code": 400 | 500 | 503, "message": str}
+# What a replica streams back, one chunk at a time: plain dicts at runtime (cheap to pickle
+# across Ray), typed here so that gateway and replica share one definition.
+class StartChunk(TypedDict):
+    type: Literal["start"]
+    replica: str
+    route: dict[str, Any] | None
+
+
+class DeltaChunk(TypedDict):
+    type: Literal["delta"]
+    token_ids: list[int]
+    text: str
+
+
+class EndChunk(TypedDict):
+    type: Literal["end"]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class ErrorChunk(TypedDict):
+    type: Literal["error"]
+    code: int  # HTTP status the gateway answers with: 400 bad request, 503 replica failed
+    message: str
+
+
+Chunk = StartChunk | DeltaChunk | EndChunk | ErrorChunk
