@@ -1,64 +1,87 @@
 """AsyncLLMEngine: the engine's step loop on a background thread, streaming to asyncio callers.
 
-The loop thread owns the engine; callers on any event loop submit under a lock and receive
-their RequestOutput deltas through an asyncio.Queue. Torch releases the GIL during the
-forward pass, so the server's event loop keeps serving HTTP while the model runs.
-A caller that stops iterating (client gone, task cancelled) aborts its request and frees
-its blocks. If a step raises, every in-flight request gets the error: no caller hangs.
+The loop thread alone touches the engine. Callers never wait for a forward pass: new
+requests, aborts and snapshots are commands put in an inbox that the thread drains between
+steps, and `stats()` returns a snapshot the thread refreshes after every step and every
+drained inbox. So heartbeats, health checks and aborts answer at once even while a step that
+takes seconds (a long prefill) runs. Torch releases the GIL during the forward pass, so the
+server's event loop keeps serving while the model runs.
+
+Each request receives its RequestOutput deltas through an asyncio.Queue. A caller that stops
+iterating (client gone, task cancelled) aborts its request and frees its blocks. If a step
+raises, every in-flight request gets the error: no caller hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from replica.engine import EngineStats, LLMEngine, RequestOutput
 from replica.sampling_params import SamplingParams
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop failed; the request did not complete."""
+    """The step loop failed or was shut down; the request did not complete."""
+
+
+Command = tuple[Callable[[LLMEngine], Any], "concurrent.futures.Future | None"]
 
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # held by the loop thread whenever it touches the engine; a paused loop (tests) can take it
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        self._inbox: collections.deque[Command] = collections.deque()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        # progress counters the loop thread writes and anyone may read (tests order events by them)
+        self.steps_started = 0
+        self.steps_finished = 0
+        self.step_started_at: float | None = None  # monotonic start of the step running now, else None
+        self._stats = engine.stats()
         self._thread = threading.Thread(target=self._loop, name="prefixgate-engine", daemon=True)
         self._thread.start()
 
+    # ---- callers (any thread / event loop) ----------------------------------------------
     async def generate(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        **extra: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token; the last has finished=True.
 
-        Invalid requests raise InvalidRequestError before anything is queued.
+        Invalid requests raise InvalidRequestError before anything is queued. `extra` goes to
+        LLMEngine.add_request (e.g. prefix_output_token_ids for a migrated stream).
         """
-        if self._stopped:
-            raise EngineDeadError("engine is shut down")
         rid = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
+
+        def add(engine: LLMEngine) -> None:
             if rid in self._streams:
                 raise ValueError(f"duplicate request id {rid}")
-            self._streams[rid] = (asyncio.get_running_loop(), queue)
-            try:
-                self.engine.add_request(prompt, params, request_id=rid, cache_salt=cache_salt)
-            except BaseException:
-                del self._streams[rid]
-                raise
-        self._wakeup.set()
+            engine.add_request(prompt, params, request_id=rid, cache_salt=cache_salt, **extra)
+            self._streams[rid] = (loop, queue)
+
         finished = False
         try:
+            try:
+                await self.submit(add)
+            except BaseException:
+                finished = True  # nothing was queued (or the add failed): nothing to abort
+                raise
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -72,31 +95,82 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(rid)
 
-    def abort(self, request_id: str) -> bool:
-        with self._lock:
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks, after the current step; returns at once."""
+
+        def run(engine: LLMEngine) -> bool:
             self._streams.pop(request_id, None)
-            return self.engine.abort(request_id)
+            return engine.abort(request_id)
+
+        self._post(run, None)
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.stats()
+        """The snapshot taken after the last step or inbox drain: never waits for the engine."""
+        return self._stats
+
+    async def submit(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the loop thread between steps and await its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(fn, future)
+        return await asyncio.wrap_future(future)
 
     def call(self, fn, *args):
-        """Run fn(engine, *args) while the step loop is paused (e.g. a cache resync snapshot)."""
-        with self._lock:
-            return fn(self.engine, *args)
+        """Blocking form of submit for synchronous callers (tests); never call it on an event
+        loop that must keep answering."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(lambda engine: fn(engine, *args), future)
+        return future.result()
 
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self._fail_pending()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    # ---- the loop thread ---------------------------------------------------------------
+    def _post(self, fn: Callable[[LLMEngine], Any], future: concurrent.futures.Future | None) -> None:
+        if self._stopped:
+            if future is not None:
+                future.set_exception(EngineDeadError("engine is shut down"))
+            return
+        self._inbox.append((fn, future))
+        self._wakeup.set()
+        if self._stopped:  # shut down while we were appending: make sure nobody waits forever
+            self._fail_pending()
+
+    def _drain(self) -> None:
+        """Run every queued command, refresh the stats snapshot, then answer the callers, so an
+        answer never precedes the state it produced."""
+        if not self._inbox:
+            return
+        results: list[tuple[concurrent.futures.Future, bool, Any]] = []
+        with self._lock:
+            while self._inbox:
+                fn, future = self._inbox.popleft()
+                try:
+                    value, ok = fn(self.engine), True
+                except Exception as e:
+                    value, ok = e, False
+                if future is not None:
+                    results.append((future, ok, value))
+            self._stats = self.engine.stats()
+        for future, ok, value in results:
+            if future.set_running_or_notify_cancel():
+                future.set_result(value) if ok else future.set_exception(value)
 
     def _loop(self) -> None:
         while not self._stopped:
+            self._drain()
             if not self.engine.has_unfinished:
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
+            self.step_started_at = time.monotonic()
+            self.steps_started += 1
             try:
                 with self._lock:
                     outputs = self.engine.step()
@@ -104,20 +178,36 @@ class AsyncLLMEngine:
                     for o in outputs:
                         if o.finished:
                             self._streams.pop(o.request_id, None)
+                    self._stats = self.engine.stats()
             except Exception as e:  # fail every caller rather than leave them waiting
                 self._fail_all(EngineDeadError(f"engine step failed: {e!r}"))
                 continue
+            finally:
+                self.steps_finished += 1
+                self.step_started_at = None
             for target, out in deliveries:
                 if target is not None:
                     _deliver(*target, out)
+        self._fail_all(EngineDeadError("engine is shut down"))
+        self._fail_pending()
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
             for rid in list(streams):
                 self.engine.abort(rid)
+            self._stats = self.engine.stats()
         for loop, queue in streams.values():
             _deliver(loop, queue, error)
+
+    def _fail_pending(self) -> None:
+        while self._inbox:
+            try:
+                _, future = self._inbox.popleft()
+            except IndexError:
+                return
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("engine is shut down"))
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from replica.block_manager import BlockManager, KVEventListener
 from replica.default_model import resolve_model
 from replica.detokenizer import Detokenizer
+from replica.engine_types import EngineConfig, EngineStats, InvalidRequestError, RequestOutput
 from replica.model_runner import ModelRunner, default_dtype
 from replica.sampler import Sampler
 from replica.sampling_params import SamplingParams
@@ -29,54 +29,6 @@ from replica.sequence import Sequence
 from router.protocol.hashing import block_hashes, chain_seed
 
 __all__ = ["LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "InvalidRequestError"]
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses at submission (nothing else in flight is touched)."""
-
-
-@dataclass
-class EngineConfig:
-    model: str | None = None  # local HF model directory; None: the bundled default
-    model_id: str | None = None  # identity in block hashes; defaults to the directory name
-    block_size: int = 16
-    num_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 768 * 2**20
-    device: str = "cpu"
-    dtype: str | None = None  # "float32", "bfloat16", ...; None: float32 on CPU, bf16 on GPU
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    token_ids: list[int]
-    text: str
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    finished: bool
-    finish_reason: str | None = None  # "stop", "length", "abort"
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    prompt_tokens: int
-    cached_tokens: int
-    blocks_total: int
-    blocks_used: int
-    blocks_cached: int
-    blocks_free: int
-    evictions: int
-    preemptions: int
-    pending_prefill_tokens: int = 0
-    steps: int = 0
-    generated_tokens: int = 0
 
 
 class LLMEngine:

@@ -1,0 +1,58 @@
+"""The engine's torch-free vocabulary: configuration, outputs, stats and the refusal error.
+
+Kept apart from replica/engine.py (which imports torch and transformers) so that light
+processes (the gateway, the simulated-compute replica) can speak the engine's types without
+loading either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses at submission (nothing else in flight is touched)."""
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local HF model directory; None: the bundled default
+    model_id: str | None = None  # identity in block hashes; defaults to the directory name
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_bytes
+    kv_cache_bytes: int = 768 * 2**20
+    device: str = "cpu"
+    dtype: str | None = None  # "float32", "bfloat16", ...; None: float32 on CPU, bf16 on GPU
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length", "abort"
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    prompt_tokens: int
+    cached_tokens: int
+    blocks_total: int
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    evictions: int
+    preemptions: int
+    pending_prefill_tokens: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
