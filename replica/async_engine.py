@@ -21,17 +21,20 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from replica.engine import EngineStats, LLMEngine, RequestOutput
+from replica.engine_types import EngineStats, RequestOutput
 from replica.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the sim engine duck-types it; importing it at run time would load torch
+    from replica.engine import LLMEngine
 
 
 class EngineDeadError(RuntimeError):
     """The step loop failed or was shut down; the request did not complete."""
 
 
-Command = tuple[Callable[[LLMEngine], Any], "concurrent.futures.Future | None"]
+Command = tuple["Callable[[LLMEngine], Any]", "concurrent.futures.Future | None"]
 
 
 class AsyncLLMEngine:
@@ -79,9 +82,10 @@ class AsyncLLMEngine:
         try:
             try:
                 await self.submit(add)
-            except BaseException:
-                finished = True  # nothing was queued (or the add failed): nothing to abort
+            except Exception:
+                finished = True  # the add failed: nothing was queued, nothing to abort
                 raise
+            # (cancelled while waiting: the add may still run, so the finally below aborts it)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
