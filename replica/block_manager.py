@@ -36,6 +36,10 @@ class BlockTable:
     block_ids: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained keys of the full blocks so far
     num_registered: int = 0  # leading blocks already offered to the cache
+    # the sequence's tokens (the engine shares its list): a hash hit is only taken when the
+    # cached block holds these same tokens, since xxh64 is not collision resistant. None: the
+    # caller has no tokens (the simulator), hits are trusted.
+    token_ids: list[int] | None = None
 
 
 @dataclass
@@ -43,6 +47,7 @@ class BlockStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
     evictions: int = 0
+    collisions: int = 0  # hash hits refused because the block held other tokens
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -58,6 +63,7 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_pos = [0] * num_blocks  # block index within the prompt of a hashed block
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # tokens of a hashed block
         self.hash_to_block: dict[int, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -85,34 +91,54 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, hashes: list[int], num_tokens: int) -> list[int]:
-        """Block ids of the longest cached prefix, leaving at least the last token to compute."""
+    def cached_prefix(self, hashes: list[int], num_tokens: int, token_ids: list[int] | None = None) -> list[int]:
+        """Block ids of the longest cached prefix, leaving at least the last token to compute.
+
+        With `token_ids`, a block whose stored tokens differ (a hash collision) ends the prefix.
+        """
         limit = min(len(hashes), (num_tokens - 1) // self.block_size)
         hit: list[int] = []
-        for h in hashes[:limit]:
+        bs = self.block_size
+        for i, h in enumerate(hashes[:limit]):
             block = self.hash_to_block.get(h)
             if block is None:
+                break
+            stored = self.block_tokens[block]
+            if token_ids is not None and stored is not None and tuple(token_ids[i * bs : (i + 1) * bs]) != stored:
                 break
             hit.append(block)
         return hit
 
-    def can_allocate(self, table: BlockTable, num_tokens: int) -> bool:
-        hit = self.cached_prefix(table.hashes, num_tokens)
+    def _reserve(self, hit: list[int], num_tokens: int, max_compute: int | None) -> int:
+        """Blocks a new sequence needs now: its hits plus room for its first chunk."""
+        tokens = num_tokens if max_compute is None else min(num_tokens, len(hit) * self.block_size + max_compute)
+        return max(self.blocks_needed(tokens), len(hit))
+
+    def can_allocate(self, table: BlockTable, num_tokens: int, max_compute: int | None = None) -> bool:
+        """`max_compute`: tokens computed in the first step (blocks are reserved per chunk, as in
+        vLLM); None reserves the whole `num_tokens`."""
+        hit = self.cached_prefix(table.hashes, num_tokens, table.token_ids)
         # hits sitting in the LRU stop being available once we take them
         reclaimed = sum(1 for b in hit if self.ref_count[b] == 0)
-        needed = self.blocks_needed(num_tokens) - len(hit)
+        needed = self._reserve(hit, num_tokens, max_compute) - len(hit)
         return needed <= self.num_available - reclaimed
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate(self, table: BlockTable, num_tokens: int) -> int:
-        """Give a new sequence its blocks; returns the number of tokens served from cache."""
+    def allocate(self, table: BlockTable, num_tokens: int, max_compute: int | None = None) -> int:
+        """Give a new sequence its blocks; returns the number of tokens served from cache.
+
+        The cache is looked up for the whole `num_tokens`; blocks beyond the hits are reserved
+        for `max_compute` tokens only (None: all of them). Later chunks grow it with `append`.
+        """
         assert not table.block_ids, "sequence already holds blocks"
-        if not self.can_allocate(table, num_tokens):
+        if not self.can_allocate(table, num_tokens, max_compute):
             raise NoFreeBlocksError(f"cannot fit {num_tokens} tokens")
-        hit = self.cached_prefix(table.hashes, num_tokens)
+        hit = self.cached_prefix(table.hashes, num_tokens, table.token_ids)
+        if len(hit) < (num_tokens - 1) // self.block_size and len(hit) < len(table.hashes):
+            self.stats.collisions += table.hashes[len(hit)] in self.hash_to_block  # same key, other tokens
         for block in hit:
             self._take(block)
-        table.block_ids = hit + self._new_blocks(self.blocks_needed(num_tokens) - len(hit))
+        table.block_ids = hit + self._new_blocks(self._reserve(hit, num_tokens, max_compute) - len(hit))
         table.num_registered = len(hit)
         self.stats.queried_tokens += num_tokens
         self.stats.hit_tokens += len(hit) * self.block_size
@@ -122,7 +148,7 @@ class BlockManager:
         return self.blocks_needed(num_tokens) - len(table.block_ids) <= self.num_available
 
     def append(self, table: BlockTable, num_tokens: int) -> None:
-        """Grow a running sequence's table to hold `num_tokens` tokens (decode)."""
+        """Grow a running sequence's table to hold `num_tokens` tokens (a decode or the next chunk)."""
         missing = self.blocks_needed(num_tokens) - len(table.block_ids)
         if missing > 0:
             table.block_ids += self._new_blocks(missing)
@@ -143,6 +169,8 @@ class BlockManager:
                 self.hash_to_block[h] = block
                 self.block_hash[block] = h
                 self.block_pos[block] = i
+                end = (i + 1) * self.block_size
+                self.block_tokens[block] = tuple(token_ids[end - self.block_size : end]) if len(token_ids) >= end else None
                 stored.append(h)
                 positions.append(i)
         table.num_registered = max(table.num_registered, full)
@@ -209,5 +237,6 @@ class BlockManager:
         h = self.block_hash[block]
         assert h is not None
         self.block_hash[block] = None
+        self.block_tokens[block] = None
         del self.hash_to_block[h]
         return h

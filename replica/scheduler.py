@@ -2,8 +2,10 @@
 
 Every step mixes decodes (one token each for running sequences) with prefill chunks of new
 or partially prefilled sequences, under a token budget, so long prompts never stall decoding.
-When the pool runs dry, the most recently admitted sequence is preempted: its blocks are
-released (hashed ones stay cached) and it is recomputed later, usually from cache.
+Blocks are reserved per chunk (a long prompt holds only the blocks computed so far). When the
+pool runs dry, the most recently admitted sequence is preempted: its blocks are released
+(hashed ones stay cached) and it is recomputed later, usually from cache. A step that preempted
+admits nobody, as in vLLM, so a sequence is never preempted and re-admitted in the same step.
 """
 
 from __future__ import annotations
@@ -49,25 +51,33 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
+        """The next step's chunks, following vLLM's rules: running sequences first (oldest
+        first), blocks reserved only for the tokens computed this step, and no admission in a
+        step that preempted (the preempted sequence waits at the head of the queue)."""
         chunks: list[ScheduledChunk] = []
         budget = self.config.max_num_batched_tokens
+        preempted = False
         # 1. running sequences, oldest first: decodes and unfinished prefills
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if not self._ensure_room(seq):
-                continue  # seq itself was preempted; running shrank
             n = min(seq.num_tokens - seq.num_computed, budget)
+            fits, evicted = self._ensure_room(seq, seq.num_computed + n)
+            preempted = preempted or evicted
+            if not fits:
+                continue  # seq itself was preempted; running shrank
             chunks.append(ScheduledChunk(seq, seq.num_computed, seq.num_computed + n))
             budget -= n
             i += 1
+        if preempted:
+            return chunks
         # 2. admit waiting sequences while the budget, the batch size and the pool allow
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq.table, seq.num_tokens):
+            if not self.blocks.can_allocate(seq.table, seq.num_tokens, budget):
                 break
             self.waiting.popleft()
-            cached = self.blocks.allocate(seq.table, seq.num_tokens)
+            cached = self.blocks.allocate(seq.table, seq.num_tokens, budget)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = cached
             seq.num_computed = cached
@@ -78,15 +88,18 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def _ensure_room(self, seq: Sequence) -> bool:
-        """Make sure `seq` has a slot for its next token, preempting newer sequences if needed."""
-        while not self.blocks.can_append(seq.table, seq.num_tokens):
+    def _ensure_room(self, seq: Sequence, num_tokens: int) -> tuple[bool, bool]:
+        """Give `seq` blocks for its first `num_tokens` tokens, preempting newer sequences if
+        needed. Returns (seq still runs, something was preempted)."""
+        preempted = False
+        while not self.blocks.can_append(seq.table, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
+            preempted = True
             if victim is seq:
-                return False
-        self.blocks.append(seq.table, seq.num_tokens)
-        return True
+                return False, True
+        self.blocks.append(seq.table, num_tokens)
+        return True, preempted
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -39,6 +39,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.table.token_ids = self.token_ids  # the block manager compares tokens on a hash hit
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -166,3 +166,20 @@ def _check(bm: BlockManager, live):
     for h, b in bm.hash_to_block.items():
         assert bm.block_hash[b] == h
     assert all(bm.block_hash[b] is not None for b in lru)
+
+
+def test_hash_hit_with_other_tokens_is_refused():
+    """xxh64 is not collision resistant: a hit counts only if the cached block holds our tokens."""
+    bm, _ = make()
+    tokens = list(range(10))
+    a = BlockTable(hashes=block_hashes(tokens, BS, 0), token_ids=tokens)
+    bm.allocate(a, len(tokens))
+    bm.commit(a, tokens, len(tokens), 0)
+    assert bm.block_tokens[a.block_ids[0]] == (0, 1, 2, 3)
+    forged = [0, 1, 2, 3, 9, 9, 9, 9, 8, 8]  # same first block; the second one's key is forged
+    b = BlockTable(hashes=list(a.hashes), token_ids=forged)
+    assert bm.allocate(b, len(forged)) == 4  # first block shared, the colliding one recomputed
+    assert b.block_ids[0] == a.block_ids[0] and b.block_ids[1] != a.block_ids[1]
+    assert bm.stats.collisions == 1
+    c = BlockTable(hashes=list(a.hashes))  # no tokens (the simulator): hits are trusted
+    assert bm.allocate(c, len(tokens)) == 8

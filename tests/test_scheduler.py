@@ -1,0 +1,76 @@
+"""Scheduler rules shared with vLLM: blocks reserved per chunk, no admission in a step that
+preempted. Pure logic on the tensor-free BlockManager."""
+
+from __future__ import annotations
+
+from replica.block_manager import BlockManager
+from replica.sampling_params import SamplingParams
+from replica.scheduler import Scheduler, SchedulerConfig
+from replica.sequence import Sequence, Status
+from router.protocol.hashing import block_hashes
+
+BS = 4
+
+
+def _seq(tokens: list[int], max_tokens: int = 8) -> Sequence:
+    seq = Sequence(tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), hash_seed=0)
+    seq.table.hashes = block_hashes(tokens, BS, 0)
+    return seq
+
+
+def _step(sched: Scheduler, next_token: int = 7):
+    """One step as the engine runs it: schedule, commit, append a token where one is sampled."""
+    chunks = sched.schedule()
+    sched.commit(chunks)
+    for c in chunks:
+        if c.samples:
+            c.seq.token_ids.append(next_token)
+    return chunks
+
+
+def test_blocks_are_reserved_per_chunk():
+    bm = BlockManager(64, BS)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), bm)
+    seq = _seq(list(range(10, 50)))  # 40 tokens: 5 chunks of 8
+    sched.add(seq)
+    held = []
+    for _ in range(5):
+        [chunk] = _step(sched)
+        held.append(len(seq.table.block_ids))
+        assert len(seq.table.block_ids) == -(-chunk.end // BS)  # only what was computed so far
+    assert held == [2, 4, 6, 8, 10]
+    assert seq.num_computed == 40 and seq.num_tokens == 41  # the last chunk sampled a token
+
+
+def test_admission_reserves_hits_plus_first_chunk_only():
+    bm = BlockManager(64, BS)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6), bm)
+    first = _seq(list(range(100, 120)))
+    sched.add(first)
+    while first.num_computed < 20:
+        _step(sched)
+    second = _seq(list(range(100, 116)) + list(range(200, 230)))  # 4 blocks hit, 30 new tokens
+    sched.add(second)
+    chunks = _step(sched)
+    mine = [c for c in chunks if c.seq is second]
+    assert mine and mine[0].start == 16 and second.num_cached_tokens == 16
+    assert len(second.table.block_ids) == -(-mine[0].end // BS) < bm.blocks_needed(second.num_tokens)
+
+
+def test_no_admission_in_a_step_that_preempted():
+    # Two identical prompts computed in the same step: only the first one's blocks become cache
+    # entries, so preempting the second frees unhashed blocks while the first keeps its hits
+    # alive. Right after that preemption the victim would fit again; vLLM (and we) wait a step.
+    bm = BlockManager(7, BS)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
+    a, b, c = _seq([1, 2, 3, 4]), _seq(list(range(10, 20))), _seq(list(range(10, 20)))
+    for s in (a, b, c):
+        sched.add(s)
+    _step(sched)  # 1 + 3 + 3 blocks: the pool is full; a now needs a second block
+    assert bm.num_available == 0
+    chunks = _step(sched)
+    assert sched.num_preemptions == 1 and c.status is Status.WAITING and sched.waiting[0] is c
+    assert [ch.seq for ch in chunks] == [a, b]  # the victim is not re-admitted in this step...
+    assert bm.can_allocate(c.table, c.num_tokens, 64)  # ...although it would fit
+    chunks = _step(sched)
+    assert c.status is Status.RUNNING and chunks[-1].seq is c and chunks[-1].start == 8  # 2 blocks hit
