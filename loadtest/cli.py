@@ -6,6 +6,9 @@ compare    one stack, redeployed once per routing policy (cold caches each time)
            seeded load against each; prints one table, writes compare.json and compare.png
 summarize  one summary from one or more records.jsonl files (e.g. from several Locust machines)
 plot       redraw the PNG from a summary.json or compare.json
+trace      open-loop Mooncake replay against a running gateway, beside the simulator on the
+           same rows (loadtest/fleet_cli.py, docs/fleet.md)
+fleet      sim replicas x policies x replica counts, live and simulated side by side
 
 Locust runs as a subprocess of this interpreter (`python -m locust`), so its gevent
 monkey-patching never touches the Ray driver that `compare` holds.
@@ -377,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default=None, help="send load here instead of http://127.0.0.1:PORT")
     _add_load_args(p)
     p.set_defaults(fn=cmd_compare)
+
+    from loadtest.fleet_cli import add_parsers
+
+    add_parsers(sub)  # trace, fleet
 
     p = sub.add_parser("summarize", help="summary of one or more records.jsonl files")
     p.add_argument("records", nargs="+")

@@ -125,6 +125,20 @@ class AsyncLLMEngine:
         self._post(lambda engine: fn(engine, *args), future)
         return future.result()
 
+    async def hand_off(self, reason: str) -> int:
+        """End every in-flight request with EngineDeadError(reason) (its caller continues it
+        elsewhere) and free its blocks; returns how many there were."""
+
+        def run(engine: LLMEngine) -> int:
+            streams, self._streams = self._streams, {}
+            for rid in streams:
+                engine.abort(rid)
+            for loop, queue in streams.values():
+                _deliver(loop, queue, EngineDeadError(reason))
+            return len(streams)
+
+        return await self.submit(run)
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()
@@ -155,6 +169,8 @@ class AsyncLLMEngine:
         with self._lock:
             while self._inbox:
                 fn, future = self._inbox.popleft()
+                if future is not None and future.cancelled():
+                    continue  # its caller is gone (e.g. a timed-out snapshot): skip the work
                 try:
                     value, ok = fn(self.engine), True
                 except Exception as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import uuid
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 from replica.async_engine import AsyncLLMEngine, EngineDeadError
+from replica.drain import drain_replica
 from replica.engine import EngineConfig, InvalidRequestError, LLMEngine
 from replica.publisher import BlockPublisher, PublisherConfig
 from replica.sampling_params import SamplingParams
@@ -57,6 +59,9 @@ class PrefixCacheReplica:
         engine = await asyncio.to_thread(LLMEngine, config=self.settings.engine)
         self.engine = AsyncLLMEngine(engine)
         self.publisher: BlockPublisher | None = None
+        self.draining = False
+        # (steps started, steps finished) at each heartbeat: shows beats while a step runs
+        self.heartbeats: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
         if self.settings.redis_url:
             self.publisher = BlockPublisher(
                 PublisherConfig(
@@ -72,15 +77,18 @@ class PrefixCacheReplica:
             self.publisher.start()
         log.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
-    def _snapshot(self) -> list[tuple[int, int]]:
+    async def _snapshot(self) -> list[tuple[int, int]]:
+        """The cached set for a full resync, taken between steps (never blocks this loop)."""
+
         def take(engine: LLMEngine):
             self.publisher.reset_events()
             return engine.blocks.cached_hashes()
 
-        return self.engine.call(take)
+        return await self.engine.submit(take)
 
     def _load(self) -> dict[str, int]:
-        s = self.engine.stats()
+        s = self.engine.stats()  # a snapshot: answers at once even during a long step
+        self.heartbeats.append((self.engine.steps_started, self.engine.steps_finished))
         return {
             "running": s.running,
             "waiting": s.waiting,
@@ -93,10 +101,17 @@ class PrefixCacheReplica:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         yield {"type": "start", "replica": self.replica_id, "route": request.route}
+        if self.draining:  # a late arrival: the gateway continues it on another replica
+            yield {"type": "error", "code": 503, "message": "replica is shutting down", "retry": True}
+            return
         try:
             params = SamplingParams(**request.params)
+            extra = {}
+            if request.prefix_output_token_ids:  # a stream migrated from another replica
+                extra = {"prefix_output_token_ids": request.prefix_output_token_ids,
+                         "prefix_text_len": request.prefix_text_len}
             stream = self.engine.generate(
-                request.prompt_token_ids, params, request_id=request.request_id, cache_salt=request.cache_salt
+                request.prompt_token_ids, params, request_id=request.request_id, cache_salt=request.cache_salt, **extra
             )
             async for out in stream:
                 if out.new_token_ids or out.new_text:
@@ -111,8 +126,8 @@ class PrefixCacheReplica:
                     }
         except (InvalidRequestError, TypeError, ValueError) as e:
             yield {"type": "error", "code": 400, "message": str(e)}
-        except EngineDeadError as e:
-            yield {"type": "error", "code": 503, "message": str(e)}
+        except EngineDeadError as e:  # failed or shutting down: another replica can continue it
+            yield {"type": "error", "code": 503, "message": str(e), "retry": True}
 
     async def info(self) -> dict:
         """Model facts the gateway needs, and live stats for /health and /metrics."""
@@ -130,10 +145,10 @@ class PrefixCacheReplica:
         }
 
     async def check_health(self) -> None:
-        if not self.engine._thread.is_alive():
+        if not self.engine.alive:
             raise RuntimeError("engine loop thread died")
 
     async def __del__(self) -> None:
-        if self.publisher is not None:
-            await self.publisher.stop()
-        self.engine.shutdown()
+        """Serve calls this after draining (ongoing requests finished, or its graceful timeout
+        spent): hand off what still runs, retract this replica's blocks from the index, exit."""
+        await drain_replica(self)

@@ -105,19 +105,40 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        prefix_output_token_ids: Seq[int] = (),
+        prefix_text_len: int | None = None,
     ) -> str:
+        """prefix_output_token_ids: output another replica already generated and sent (a
+        migrated stream). They count as this request's output for max_tokens, stop strings
+        and text, and are recomputed (or hit in the cache) with the prompt; prefix_text_len
+        is how much of their text the client has seen (default: all of it)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
+        prefix = list(prefix_output_token_ids)
+        if prefix:
+            self._check_prefix(prefix, params)
         seed = self.hash_seed(cache_salt)
         seq = Sequence(token_ids, params, seed, **({"request_id": request_id} if request_id else {}))
         if seq.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {seq.request_id}")
-        seq.table.hashes = block_hashes(token_ids, self.config.block_size, seed)
+        if prefix:
+            seq.token_ids.extend(prefix)
+            seq.emitted_tokens = len(prefix)
+            self.detokenizer.update(seq)
+            sent = len(seq.output_text) if prefix_text_len is None else prefix_text_len
+            seq.emitted_text_len = max(0, min(sent, len(seq.output_text)))
+        seq.table.hashes = block_hashes(seq.token_ids, self.config.block_size, seed)
         seq.arrival_time = time.monotonic()
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
+
+    def _check_prefix(self, prefix: list[int], params: SamplingParams) -> None:
+        if len(prefix) >= params.max_tokens:
+            raise InvalidRequestError("prefix_output_token_ids must be shorter than max_tokens")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in prefix):
+            raise InvalidRequestError(f"prefix_output_token_ids must be integers in [0, {self.vocab_size})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already done."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -155,6 +156,8 @@ class BlockPublisher:
 
     async def _full_resync(self) -> None:
         snapshot = self._snapshot()  # also clears queued events, atomically with the engine
+        if inspect.isawaitable(snapshot):  # the replica takes it between engine steps
+            snapshot = await snapshot
         hashes = [h for h, p in snapshot if p < self.config.depth]
         rid = self.config.replica_id
         pipe = self._client.pipeline(transaction=True)

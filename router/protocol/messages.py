@@ -16,6 +16,10 @@ class GenerateRequest:
     cache_salt: str | None = None  # tenant salt: tenants never share cached blocks
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     route: dict[str, Any] | None = None  # set by our router: {"reason", "replica", "matched_blocks"}
+    # a migrated stream: output another replica generated and the client already got (token
+    # ids, and how many characters of their text were sent); the replica continues after them
+    prefix_output_token_ids: list[int] = field(default_factory=list)
+    prefix_text_len: int = 0
 
 
 # What a replica streams back, one chunk at a time: plain dicts at runtime (cheap to pickle
@@ -40,10 +44,11 @@ class EndChunk(TypedDict):
     completion_tokens: int
 
 
-class ErrorChunk(TypedDict):
+class ErrorChunk(TypedDict, total=False):
     type: Literal["error"]
     code: int  # HTTP status the gateway answers with: 400 bad request, 503 replica failed
     message: str
+    retry: bool  # the request may continue on another replica (this one is draining or failed)
 
 
 Chunk = StartChunk | DeltaChunk | EndChunk | ErrorChunk

@@ -1,0 +1,210 @@
+"""Live trace replay against a stack of simulated-compute replicas, the simulator on the same rows,
+and the policy comparison (`prefixgate loadtest trace|fleet`).
+
+`run_fleet` brings up Redis, Ray and a Serve app of `--engine sim` replicas, then for each
+replica count and policy deploys afresh (cold caches, a fresh Redis key prefix), replays the
+same rows open-loop over HTTP, reads the replicas' step lag from their Redis heartbeats and the
+routing decision time from the gateway's /metrics, runs the simulator on the same rows and
+settings, and returns live and simulated results side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.fleet_report import FleetResult, RunSettings, live_result, sim_result
+from loadtest.trace_replay import ReplaySettings, replay
+from router.sim.cli import BASE_REPLICAS, capacity_blocks
+from router.sim.service import ServiceModel
+from router.sim.trace import load_rows, scale_rows, scale_service, split_fitting
+from router.sim.workload import SimRequest, distinct_blocks
+
+MAX_STEP_LAG = 0.10  # a live run whose replicas fall further behind the model is invalid
+FLEET_POLICIES = ("affinity", "pow2", "random", "least-loaded", "ray-prefix")
+
+
+@dataclass
+class FleetSpec:
+    trace: str
+    start: int = 0
+    requests: int = 1000
+    replicas: list[int] = field(default_factory=lambda: [16])
+    policies: list[str] = field(default_factory=lambda: list(FLEET_POLICIES))
+    capacity: str = "tight"  # as in `prefixgate sim`: of the slice's distinct blocks
+    block_size: int = 16
+    max_output: int = 8
+    load_scale: str = "auto"  # auto: replicas / 8, the simulator's default
+    wall_scale: float = 1.0
+    gateways: int = 1
+    max_model_len: int = 8192
+    seed: int = 0
+    service: ServiceModel = field(default_factory=ServiceModel)
+
+    def load_for(self, replicas: int) -> float:
+        return replicas / BASE_REPLICAS if self.load_scale == "auto" else float(self.load_scale)
+
+
+def workload(spec: FleetSpec) -> list[SimRequest]:
+    return scale_rows(load_rows(spec.trace, spec.start, spec.requests), spec.block_size, spec.max_output)
+
+
+def settings_for(spec: FleetSpec, requests: list[SimRequest], replicas: int) -> tuple[RunSettings, list[SimRequest], int]:
+    cap = capacity_blocks(spec.capacity, distinct_blocks(requests))
+    kept, dropped = split_fitting(requests, cap, spec.block_size, spec.max_model_len)
+    s = RunSettings(replicas=replicas, capacity_blocks=cap, block_size=spec.block_size,
+                    load_scale=spec.load_for(replicas), wall_scale=spec.wall_scale, seed=spec.seed)
+    return s, kept, dropped
+
+
+# ---- reading the live stack ----------------------------------------------------------------------
+def histogram_quantile(text: str, name: str, q: float) -> float | None:
+    """Quantile of a Prometheus histogram from its exposition text (buckets summed over labels),
+    linearly interpolated inside the bucket, as PromQL's histogram_quantile does."""
+    buckets: dict[float, float] = {}
+    pat = re.compile(rf'^{re.escape(name)}_bucket\{{(.*?)\}}\s+([0-9.eE+-]+)$')
+    for line in text.splitlines():
+        m = pat.match(line)
+        if not m:
+            continue
+        le = re.search(r'le="([^"]+)"', m.group(1))
+        if le:
+            bound = math.inf if le.group(1) == "+Inf" else float(le.group(1))
+            buckets[bound] = buckets.get(bound, 0.0) + float(m.group(2))
+    if not buckets or buckets.get(math.inf, 0.0) <= 0:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[math.inf]
+    rank = q * total
+    prev_b, prev_c = 0.0, 0.0
+    for b in bounds:
+        c = buckets[b]
+        if c >= rank:
+            if math.isinf(b):
+                return prev_b
+            return prev_b + (b - prev_b) * ((rank - prev_c) / (c - prev_c) if c > prev_c else 0.0)
+        prev_b, prev_c = b, c
+    return prev_b
+
+
+def decision_time(url: str) -> tuple[float | None, float | None]:
+    """Routing decision p50/p99 (seconds) from the gateway's /metrics; (None, None) if absent."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None, None
+    name = "prefixgate_route_decision_seconds"
+    return histogram_quantile(text, name, 0.5), histogram_quantile(text, name, 0.99)
+
+
+def read_heartbeats(redis_url: str, key_prefix: str) -> list[dict[str, str]]:
+    import redis
+
+    from router.protocol.redis_schema import RedisKeys
+
+    keys = RedisKeys(key_prefix)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return [r.hgetall(keys.heartbeat(rid)) for rid in sorted(r.smembers(keys.replicas))]
+    finally:
+        r.close()
+
+
+def worst_step_lag(heartbeats: list[dict[str, str]]) -> float | None:
+    """Largest step lag any replica reports (field `step_lag`: actual / modelled step time - 1)."""
+    lags = [float(hb["step_lag"]) for hb in heartbeats if hb.get("step_lag") not in (None, "")]
+    return max(lags) if lags else None
+
+
+# ---- the runs ------------------------------------------------------------------------------------
+def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key_prefix: str):
+    """The Serve app of one live run: sim replicas with the trace's service model converted to
+    the block size and sped up by the wall scale."""
+    from gateway.config import AppConfig
+
+    service = scale_service(spec.service, spec.block_size, spec.wall_scale)
+    return AppConfig(
+        engine="sim", sim_service=dataclasses.asdict(service), replicas=s.replicas, policy=policy,
+        redis_url=redis_url, key_prefix=key_prefix, block_size=spec.block_size, num_blocks=s.capacity_blocks,
+        max_model_len=spec.max_model_len, max_num_seqs=spec.service.max_running,
+        max_num_batched_tokens=service.chunk_tokens, seed=spec.seed, gateways=spec.gateways,
+        default_max_tokens=spec.max_output, max_ongoing_requests=spec.service.max_running,
+        max_queued_requests=100_000,
+    )
+
+
+def live_run(url: str, spec: FleetSpec, s: RunSettings, policy: str, requests: list[SimRequest],
+             redis_url: str | None = None, key_prefix: str | None = None) -> FleetResult:
+    """Replays `requests` against the gateway at `url` and measures it."""
+    rs = ReplaySettings(url=url, block_size=s.block_size, arrival_scale=s.load_scale * s.wall_scale, seed=s.seed)
+    records = [r.to_dict() for r in replay(requests, rs)]
+    hbs = read_heartbeats(redis_url, key_prefix) if redis_url and key_prefix else []
+    result = live_result(policy, requests, records, s)
+    result.step_lag = worst_step_lag(hbs)
+    result.valid = result.step_lag is None or result.step_lag <= MAX_STEP_LAG
+    result.decision_p50_s, result.decision_p99_s = decision_time(url)
+    return result
+
+
+def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], None] | None = None,
+              ray_address: str | None = None) -> list[tuple[FleetResult, FleetResult]]:
+    """Every (replica count, policy) live and simulated; fresh replicas for each live run."""
+    requests = workload(spec)
+    pairs: list[tuple[FleetResult, FleetResult]] = []
+    stack = None
+    try:
+        for n in spec.replicas:
+            s, kept, dropped = settings_for(spec, requests, n)
+            if dropped:
+                print(f"[fleet] {dropped} of {len(requests)} rows do not fit {s.capacity_blocks} blocks: "
+                      "dropped from both live and simulated runs", file=sys.stderr)
+            for policy in spec.policies:
+                sim = sim_result(policy, kept, s, spec.service)
+                stack, url, prefix = _deploy(stack, spec, s, policy, ray_address)
+                live = live_run(url, spec, s, policy, kept, stack.config.redis_url, prefix)
+                pairs.append((live, sim))
+                if on_pair:
+                    on_pair(live, sim)
+    finally:
+        if stack is not None:
+            stack.stop()
+    return pairs
+
+
+def _deploy(stack, spec: FleetSpec, s: RunSettings, policy: str, ray_address: str | None):
+    """Starts the stack on first use, else replaces the app: every run starts from cold replicas."""
+    from gateway.local_redis import free_port
+    from gateway.stack import APP_NAME, LocalStack
+
+    prefix = f"fleet-{time.strftime('%H%M%S')}-{s.replicas}-{policy}"
+    if stack is None:
+        config = app_config(spec, s, policy, "auto", prefix)
+        stack = LocalStack(config, port=free_port(), ray_address=ray_address)
+        t0 = time.time()
+        stack.start()
+        print(f"[fleet] stack up with {s.replicas} sim replicas in {time.time() - t0:.0f}s", file=sys.stderr)
+    else:
+        from ray import serve
+
+        serve.delete(APP_NAME)
+        t0 = time.time()
+        stack.deploy(app_config(spec, s, policy, stack.config.redis_url, prefix))
+        print(f"[fleet] {s.replicas} sim replicas ({policy}) deployed in {time.time() - t0:.0f}s", file=sys.stderr)
+    return stack, stack.url, prefix
+
+
+def save_json(pairs: list[tuple[FleetResult, FleetResult]], spec: FleetSpec, path: Path) -> None:
+    import json
+
+    d = dataclasses.asdict(spec)
+    payload = {"spec": d, "runs": [{"live": a.to_dict(), "sim": b.to_dict()} for a, b in pairs]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))

@@ -1,0 +1,143 @@
+"""`prefixgate loadtest trace` and `prefixgate loadtest fleet`.
+
+trace   replay a contiguous slice of the Mooncake trace against a running gateway (open loop,
+        prompts as token ids), then the simulator on the same rows; prints both side by side
+fleet   bring up sim replicas and, per replica count and policy, deploy afresh, replay, simulate;
+        one table, fleet.json and fleet.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from loadtest.fleet import (
+    FLEET_POLICIES,
+    FleetSpec,
+    live_run,
+    run_fleet,
+    save_json,
+    settings_for,
+    workload,
+)
+from loadtest.fleet_report import FleetResult, RunSettings, format_side_by_side, oracles, sim_result
+from router.sim.cli import default_trace
+from router.sim.service import ServiceModel
+
+
+def _kv(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key.replace("-", "_")] = float(value)
+    return out
+
+
+def _rows_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("rows and scaling (identical for the live run and the simulator)")
+    g.add_argument("--trace", default=None, help="Mooncake trace (default: shared/traces/...)")
+    g.add_argument("--start", type=int, default=0, help="first row of the contiguous slice")
+    g.add_argument("--requests", type=int, default=1000, help="rows in the slice")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per trace hash id (the trace's 512)")
+    g.add_argument("--max-output", type=int, default=8, help="output tokens per request, at most")
+    g.add_argument("--load-scale", default="auto", help="trace arrivals sped up by this; auto = replicas/8")
+    g.add_argument("--time-scale", dest="wall_scale", type=float, default=1.0,
+                   help="the modelled system runs this much faster in wall time (arrivals and service "
+                        "model alike); below 1 to keep the replicas' step lag under 10%%")
+    g.add_argument("--service", action="append", default=[], metavar="KEY=VALUE",
+                   help="ServiceModel override, stated for 512-token blocks (repeatable)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", type=Path, default=None, help="write the results here")
+
+
+def _spec(args: argparse.Namespace, replicas: list[int], policies: list[str]) -> FleetSpec:
+    return FleetSpec(
+        trace=str(args.trace or default_trace()), start=args.start, requests=args.requests, replicas=replicas,
+        policies=policies, capacity=args.capacity, block_size=args.block_size, max_output=args.max_output,
+        load_scale=args.load_scale, wall_scale=args.wall_scale, gateways=getattr(args, "gateways", 1),
+        seed=args.seed, service=dataclasses.replace(ServiceModel(), **_kv(args.service)),
+    )
+
+
+def _header(spec: FleetSpec, s: RunSettings, n_rows: int, dropped: int, pooled: float, unbounded: float) -> str:
+    return (f"== rows {spec.start}..{spec.start + spec.requests - 1} ({n_rows} replayed, {dropped} too large for a "
+            f"replica), {s.replicas} replicas x {s.capacity_blocks} blocks of {s.block_size} tokens, load scale "
+            f"{s.load_scale:g}, time scale {s.wall_scale:g}; pooled-LRU oracle {pooled:.1%}, unbounded {unbounded:.1%}")
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    spec = _spec(args, [args.replicas], [args.policy])
+    requests = workload(spec)
+    if not requests:
+        print("prefixgate loadtest trace: no rows", file=sys.stderr)
+        return 2
+    spec.capacity = str(args.num_blocks)
+    s, kept, dropped = settings_for(spec, requests, args.replicas)
+    print(_header(spec, s, len(kept), dropped, *oracles(kept, s)), flush=True)
+    t0 = time.time()
+    live = live_run(args.url.rstrip("/"), spec, s, args.policy, kept, args.redis_url, args.key_prefix)
+    sim = sim_result(args.policy, kept, s, spec.service)
+    print(f"[trace] replayed in {time.time() - t0:.0f}s; TTFTs in model seconds")
+    print(format_side_by_side([(live, sim)]))
+    if args.json:
+        save_json([(live, sim)], spec, args.json)
+    return 0 if live.errors == 0 and live.valid else 1
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    spec = _spec(args, args.replicas, policies)
+    out = Path(args.out) if args.out else Path("loadtest/results") / f"fleet-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    pairs: list[tuple[FleetResult, FleetResult]] = []
+
+    def show(live: FleetResult, sim: FleetResult) -> None:
+        pairs.append((live, sim))
+        print(format_side_by_side([(live, sim)]).splitlines()[-1], flush=True)
+        save_json(pairs, spec, args.json or out / "fleet.json")
+
+    requests = workload(spec)
+    for n in spec.replicas:
+        s, kept, dropped = settings_for(spec, requests, n)
+        print(_header(spec, s, len(kept), dropped, *oracles(kept, s)), flush=True)
+    print(format_side_by_side([]), flush=True)
+    t0 = time.time()
+    run_fleet(spec, show, ray_address=args.ray_address)
+    print(f"\n[fleet] {len(pairs)} runs in {time.time() - t0:.0f}s; TTFTs in model seconds")
+    print(format_side_by_side(pairs))
+    from loadtest.fleet_plot import plot_fleet
+
+    data = json.loads((args.json or out / "fleet.json").read_text())
+    png = plot_fleet(data["runs"], args.plot or out / "fleet.png",
+                     title=f"Mooncake rows {spec.start}+{spec.requests}, capacity {spec.capacity}, "
+                           f"block {spec.block_size}, max output {spec.max_output}")
+    print(f"[fleet] {args.json or out / 'fleet.json'}, {png}")
+    return 0 if all(a.errors == 0 and a.valid for a, _ in pairs) else 1
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("trace", help="replay a Mooncake slice against a running gateway, then the simulator")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--replicas", type=int, required=True, help="replicas the gateway routes to (for the simulator)")
+    p.add_argument("--num-blocks", type=int, required=True, help="K/V blocks per replica (for the simulator)")
+    p.add_argument("--policy", default="affinity", help="the gateway's policy (label, and the simulator's)")
+    p.add_argument("--redis-url", default=None, help="with --key-prefix: read the replicas' step lag")
+    p.add_argument("--key-prefix", default=None)
+    _rows_args(p)
+    p.set_defaults(fn=cmd_trace, capacity="0")
+
+    p = sub.add_parser("fleet", help="policies x replica counts on sim replicas, live and simulated")
+    p.add_argument("--replicas", type=int, nargs="+", default=[16])
+    p.add_argument("--policies", default=",".join(FLEET_POLICIES))
+    p.add_argument("--capacity", default="0.02",
+                   help="blocks per replica: a fraction of the slice's distinct blocks (0.02, 2%%) or a count")
+    p.add_argument("--gateways", type=int, default=1, help="gateway (router) replicas")
+    p.add_argument("--ray-address", default=None)
+    p.add_argument("--out", default=None, help="output folder (default: loadtest/results/fleet-<time>)")
+    p.add_argument("--plot", type=Path, default=None, help="PNG path (default: <out>/fleet.png)")
+    _rows_args(p)
+    p.set_defaults(fn=cmd_fleet)

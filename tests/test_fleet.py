@@ -1,0 +1,130 @@
+"""Fleet harness: the trace mapping both sides share, the live figures by hand, and the CI short
+form of the live-vs-simulated comparison (8 sim replicas, real Redis, real Ray Serve, HTTP)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loadtest.fleet import FleetSpec, histogram_quantile, settings_for, workload, worst_step_lag
+from loadtest.fleet_report import RunSettings, format_side_by_side, live_result, oracles, sim_result
+from router.protocol.hashing import block_hashes, chain_seed
+from router.sim.cli import default_trace
+from router.sim.service import ServiceModel
+from router.sim.trace import (
+    block_tokens,
+    prompt_tokens,
+    scale_rows,
+    scale_service,
+    split_fitting,
+)
+from router.sim.workload import SimRequest
+
+ROWS = [
+    {"timestamp": 1000, "input_length": 1200, "output_length": 40, "hash_ids": [0, 1, 2]},
+    {"timestamp": 3000, "input_length": 1500, "output_length": 3, "hash_ids": [0, 1, 5]},
+    {"timestamp": 4500, "input_length": 300, "output_length": 900, "hash_ids": [7]},
+]
+
+
+def test_rows_scale_to_full_blocks_plus_one_token():
+    reqs = scale_rows(ROWS, block_size=16, max_output=8)
+    assert [r.arrival for r in reqs] == [0.0, 2.0, 3.5]
+    assert [r.input_tokens for r in reqs] == [3 * 16 + 1, 3 * 16 + 1, 16 + 1]
+    assert [r.output_tokens for r in reqs] == [8, 3, 8]  # capped, never scaled
+    assert reqs[1].hashes == [0, 1, 5]
+    with pytest.raises(ValueError):
+        scale_rows(ROWS, block_size=0, max_output=8)
+
+
+def test_equal_hash_ids_give_equal_blocks_and_block_hashes():
+    a, b, c = scale_rows(ROWS, block_size=16, max_output=8)
+    pa, pb, pc = (prompt_tokens(r, i, 16) for i, r in enumerate((a, b, c)))
+    assert len(pa) == 3 * 16 + 1
+    assert pa[:32] == pb[:32] and pa[32:48] != pb[32:48]  # ids 0,1 shared, then 2 vs 5
+    assert pa[-1] != pb[-1]  # the request-unique trailing token
+    assert block_tokens(1, 16) == block_tokens(1, 16) != block_tokens(1, 16, seed=1)
+    seed = chain_seed("sim")
+    ha, hb, hc = (block_hashes(p, 16, seed) for p in (pa, pb, pc))
+    assert len(ha) == 3  # every hash id is a full block: all can hit
+    assert ha[:2] == hb[:2] and ha[2] != hb[2]
+    assert hc[0] != ha[0]
+
+
+def test_rows_too_large_for_a_replica_are_dropped_on_both_sides():
+    reqs = scale_rows(ROWS, block_size=16, max_output=8)
+    kept, dropped = split_fitting(reqs, capacity_blocks=3, block_size=16)
+    # (49 + 8) tokens need 4 blocks: the two 3-id rows do not fit 3 blocks; (17 + 8) needs 2
+    assert dropped == 2 and kept == [reqs[2]]
+    kept, dropped = split_fitting(reqs, capacity_blocks=4, block_size=16, max_model_len=40)
+    assert dropped == 2
+
+
+def test_service_model_keeps_per_block_cost_at_any_block_size():
+    base = ServiceModel()
+    small = scale_service(base, 16)
+    for blocks, batch in ((1, 0), (24, 0), (24, 10)):
+        assert small.prefill_s(blocks * 16, batch) == pytest.approx(base.prefill_s(blocks * 512, batch))
+    assert small.decode_s(8, 10) == base.decode_s(8, 10)  # one token per step at any block size
+    faster = scale_service(base, 16, time_scale=4.0)
+    assert faster.prefill_s(24 * 16, 10) == pytest.approx(small.prefill_s(24 * 16, 10) / 4)
+
+
+def test_live_figures_by_hand():
+    reqs = [SimRequest(t, list(h), len(h) * 16 + 1, 2) for t, h in
+            ((0.0, [1, 2]), (10.0, [1, 2, 3]), (70.0, [4]), (80.0, [1]))]
+    s = RunSettings(replicas=2, capacity_blocks=10, block_size=16, load_scale=1.0, wall_scale=0.5, window_s=60.0)
+    recs = [
+        {"ok": True, "prompt_tokens": 33, "cached_tokens": 0, "ttft_s": 1.0, "replica": "a", "route": "load"},
+        {"ok": True, "prompt_tokens": 49, "cached_tokens": 32, "ttft_s": 2.0, "replica": "a", "route": "prefix"},
+        {"ok": True, "prompt_tokens": 17, "cached_tokens": 0, "ttft_s": 3.0, "replica": "b", "route": "load"},
+        {"ok": False, "error": "HTTP 503: busy", "send_lag_s": 0.2},
+    ]
+    r = live_result("affinity", reqs, recs, s)
+    assert r.prompt_blocks == 2 + 3 + 1 and r.hit_blocks == 2  # the failed request counts nowhere
+    assert r.hit_rate == pytest.approx(2 / 6)
+    assert r.errors == 1 and r.error_kinds == {"HTTP 503": 1}
+    assert r.ttft_p50_s == pytest.approx(1.0)  # 2.0 wall seconds at half speed = 1.0 model seconds
+    assert r.request_share_max == pytest.approx(2 / 3)
+    assert r.prefill_share_max == pytest.approx((33 + 17) / (33 + 17 + 17))
+    assert r.reasons == {"load": 2, "prefix": 1}
+    # window 0: a computed 33 + 17 = 50, b 0 -> max/mean 2.0; window 1 (70 s) is partial: dropped
+    assert r.imbalance_p95 == pytest.approx(2.0)
+    pooled, unbounded = oracles(reqs, s)
+    assert unbounded == pytest.approx(3 / 7)  # [1,2] then [1,2,3] hits 2; [1] hits 1; of 7 blocks
+    assert r.oracle_pooled == pooled
+    with pytest.raises(ValueError):
+        live_result("affinity", reqs, recs[:2], s)
+    assert "affinity" in format_side_by_side([(r, None)])
+
+
+def test_prometheus_histogram_quantile():
+    text = "\n".join([
+        '# TYPE prefixgate_route_decision_seconds histogram',
+        'prefixgate_route_decision_seconds_bucket{le="0.001",policy="a"} 50.0',
+        'prefixgate_route_decision_seconds_bucket{le="0.002",policy="a"} 90.0',
+        'prefixgate_route_decision_seconds_bucket{le="+Inf",policy="a"} 100.0',
+        'prefixgate_route_decision_seconds_count{policy="a"} 100.0',
+    ])
+    name = "prefixgate_route_decision_seconds"
+    assert histogram_quantile(text, name, 0.5) == pytest.approx(0.001)
+    assert histogram_quantile(text, name, 0.7) == pytest.approx(0.0015)
+    assert histogram_quantile(text, name, 0.99) == pytest.approx(0.002)  # in the open bucket
+    assert histogram_quantile("", name, 0.5) is None
+    assert worst_step_lag([{"step_lag": "0.02"}, {"step_lag": "0.15"}, {}]) == pytest.approx(0.15)
+    assert worst_step_lag([{}]) is None
+
+
+TRACE = default_trace()
+
+
+def test_simulator_on_scaled_rows_sees_affinity_win():
+    """The CI slice in the simulator alone: the margins the live test relies on exist."""
+    spec = FleetSpec(trace=str(TRACE), start=5250, requests=300, replicas=[8], capacity="0.08")
+    s, kept, dropped = settings_for(spec, workload(spec), 8)
+    aff, rnd = (sim_result(p, kept, s) for p in ("affinity", "random"))
+    assert dropped == 0 and aff.errors == 0
+    assert aff.hit_rate > rnd.hit_rate + 0.02
+    assert aff.hit_vs_pooled >= 0.9
+    assert not math.isnan(aff.ttft_p99_s)

@@ -1,0 +1,141 @@
+"""The replica's event loop never waits for the engine: stats, heartbeats, health and aborts
+answer while one long forward pass runs. Ordering is checked with the engine's own step
+counters (the answer came while step k had started and not finished), never wall-clock bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import redis
+
+from replica.async_engine import AsyncLLMEngine, EngineDeadError
+from replica.engine import LLMEngine, SamplingParams
+from router.protocol.messages import GenerateRequest
+
+
+async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def _make_replica(settings: dict):
+    from replica.deployment import PrefixCacheReplica
+
+    replica = PrefixCacheReplica.__new__(PrefixCacheReplica)
+    await replica.__init__(settings)  # Serve awaits the async constructor the same way
+    return replica
+
+
+def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
+    """One step prefills ~1,500 tokens in one forward pass (seconds on this CPU). While it
+    runs: stats, info (what /health calls), check_health, a Redis heartbeat and the abort of
+    the request itself all complete, and the step is still the same one afterwards."""
+    key_prefix = f"loop-{uuid.uuid4().hex[:6]}"
+    settings = {
+        "engine": {"model": default_model_dir, "max_num_batched_tokens": 2048, "max_model_len": 2048,
+                   "kv_cache_bytes": 96 * 2**20},
+        "redis_url": redis_server.url, "key_prefix": key_prefix,
+    }
+
+    async def scenario():
+        replica = await _make_replica(settings)
+        eng = replica.engine
+        try:
+            await _until(lambda: replica.publisher.stats.resyncs > 0, "the first publish")
+            tok = eng.engine.tokenizer
+            prompt = tok.encode("The lighthouse keeper wrote in his log every night. " * 140)[:1500]
+            request = GenerateRequest(prompt, {"max_tokens": 64, "ignore_eos": True})
+            before = eng.steps_finished
+            chunks: list[dict] = []
+            gen = replica.generate(request)
+            chunks.append(await gen.__anext__())  # "start"
+            pending = asyncio.ensure_future(gen.__anext__())  # submits the request, waits for a token
+            await _until(lambda: eng.step_started_at is not None and eng.steps_started == before + 1, "the prefill step")
+            k = eng.steps_started  # the long step: started, not finished
+
+            def still_in_step() -> bool:
+                return eng.steps_started == k and eng.steps_finished == k - 1
+
+            stats = eng.stats()
+            assert still_in_step() and stats.waiting + stats.running == 1
+            info = await replica.info()
+            await replica.check_health()
+            assert still_in_step(), "info/check_health waited for the step"
+            assert info["stats"]["pending_prefill_tokens"] == len(prompt)
+            # a heartbeat computed and written to Redis during the step
+            beats = len(replica.heartbeats)
+            await _until(lambda: len(replica.heartbeats) > beats + 1, "a heartbeat during the step", 30)
+            client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+            hb = client.hgetall(f"{key_prefix}:hb:{replica.replica_id}")
+            assert int(hb["pending_prefill_tokens"]) == len(prompt)
+            assert any(s == k and f == k - 1 for s, f in replica.heartbeats)
+            assert still_in_step(), "the heartbeat waited for the step"
+            # the client goes away: the abort is queued and the call returns during the step
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+            await gen.aclose()
+            assert still_in_step(), "abort waited for the step"
+            # after the step: the request is gone, its blocks freed, no decode step ever ran it
+            await _until(lambda: eng.steps_finished >= k and eng.stats().running + eng.stats().waiting == 0,
+                         "the abort to take effect")
+            s = eng.stats()
+            assert s.blocks_used == 0 and s.generated_tokens <= 1
+            return k
+        finally:
+            await replica.__del__()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=240))
+
+
+@pytest.fixture
+def aengine(tiny_model_dirs):
+    engine = AsyncLLMEngine(LLMEngine(tiny_model_dirs["llama"], block_size=4, num_blocks=64))
+    yield engine
+    engine.shutdown()
+
+
+def test_inbox_orders_answers_after_their_effects(aengine):
+    """An answer never precedes the state it produced: the stats snapshot already shows a
+    request added (or aborted) when the submit/abort that caused it has been answered."""
+
+    async def scenario():
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        gen = aengine.generate([5, 6, 7, 8, 9], params, request_id="a")
+        first = await gen.__anext__()
+        assert first.new_token_ids
+        await gen.aclose()  # abort queued
+        # the next command is answered after the abort ran, and the snapshot reflects it
+        blocks = await aengine.submit(lambda e: e.blocks.num_used)
+        assert blocks == 0
+        s = aengine.stats()
+        assert s.running == 0 and s.waiting == 0 and s.blocks_used == 0
+        out = [o async for o in aengine.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))]
+        assert out[-1].finished and aengine.stats().generated_tokens >= 4
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def test_hand_off_and_shutdown_fail_callers_cleanly(aengine):
+    async def scenario():
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        gen = aengine.generate([3] * 10, params)
+        await gen.__anext__()
+        assert await aengine.hand_off("draining") == 1
+        with pytest.raises(EngineDeadError, match="draining"):
+            async for _ in gen:
+                pass
+        assert aengine.stats().blocks_used == 0
+        aengine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await aengine.submit(lambda e: None)
+        with pytest.raises(EngineDeadError):
+            async for _ in aengine.generate([1, 2], params):
+                pass
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
