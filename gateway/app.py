@@ -1,5 +1,9 @@
-"""Builds the Ray Serve application: Gateway (ingress) -> PrefixCacheReplica x N, with the
-request router chosen by policy name."""
+"""Builds the Ray Serve application: Gateway x K (ingress, each with its own router) ->
+PrefixCacheReplica x N, with the request router chosen by policy name.
+
+Nothing imported here loads torch: the replica deployment imports its engine when a replica
+starts, and a simulated-compute replica (engine "sim") never imports it at all.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from gateway.config import AppConfig
 from gateway.server import Gateway
 from replica.default_model import DEFAULT_MODEL_NAME
 from replica.deployment import PrefixCacheReplica, ReplicaSettings
-from replica.engine import EngineConfig
+from replica.engine_types import EngineConfig
 
 OUR_POLICIES = ("affinity", "prefix", "session", "random", "least-loaded")
 RAY_ROUTERS = {
@@ -21,6 +25,8 @@ RAY_ROUTERS = {
     "ray-session": "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
 }
 POLICY_NAMES = (*OUR_POLICIES, *RAY_ROUTERS)
+ENGINES = ("model", "sim")
+SIM_DEFAULT_BLOCKS = 1024  # per sim replica when num_blocks is not given (no model to size a pool by)
 
 
 def router_config(config: AppConfig, model_id: str) -> RequestRouterConfig | None:
@@ -60,8 +66,12 @@ def build_app(config: AppConfig) -> serve.Application:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
     )
-    settings = ReplicaSettings(engine, config.redis_url, config.key_prefix, config.publish_depth, config.torch_threads)
-    actor_options = {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus}
+    settings = ReplicaSettings(engine, config.redis_url, config.key_prefix, config.publish_depth, config.torch_threads,
+                               sim=sim_settings(config, model_id))
+    if settings.sim is not None:
+        actor_options = {"num_cpus": config.sim_replica_num_cpus}
+    else:
+        actor_options = {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus}
     if config.replica_resources:
         actor_options["resources"] = dict(config.replica_resources)
     options = dict(
@@ -80,9 +90,34 @@ def build_app(config: AppConfig) -> serve.Application:
     gateway_actor = {"num_cpus": config.gateway_num_cpus}
     if config.gateway_resources:
         gateway_actor["resources"] = dict(config.gateway_resources)
-    gateway = Gateway.options(ray_actor_options=gateway_actor, max_ongoing_requests=1000)
+    if config.gateways < 1:
+        raise ValueError(f"gateways must be at least 1, got {config.gateways}")
+    gateway = Gateway.options(num_replicas=config.gateways, ray_actor_options=gateway_actor, max_ongoing_requests=1000)
     app_settings = {**config.to_dict(), "model_name": model_id}
     return gateway.bind(replica.bind(settings.to_dict()), app_settings)
+
+
+def sim_settings(config: AppConfig, model_id: str) -> dict | None:
+    """SimEngineConfig fields for a simulated-compute replica, or None for the real engine.
+    Vocabulary, context and end-of-sequence ids come from the model directory's JSON files, so
+    the gateway's tokeniser and the sim replica agree on what a valid prompt is."""
+    if config.engine not in ENGINES:
+        raise ValueError(f"unknown engine {config.engine!r}; choose one of {', '.join(ENGINES)}")
+    if config.engine != "sim":
+        return None
+    from dataclasses import asdict
+
+    from replica.default_model import resolve_model
+    from replica.sim_engine import SimEngineConfig
+
+    sim = SimEngineConfig.for_model_dir(
+        resolve_model(config.model), model_id=model_id, block_size=config.block_size,
+        num_blocks=config.num_blocks or SIM_DEFAULT_BLOCKS, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+        time_scale=config.time_scale, service=dict(config.sim_service),
+    )
+    sim.service_model().scaled(sim.time_scale)  # refuses unknown service fields and bad scales here
+    return asdict(sim)
 
 
 def app_builder(args: dict) -> serve.Application:

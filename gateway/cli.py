@@ -9,6 +9,7 @@ import sys
 import threading
 
 from gateway.config import AppConfig
+from gateway.fleet_args import add_fleet_args, fleet_fields
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument("--api-keys", default=None, help="JSON file mapping API key -> tenant; enables 401 for others")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="the local Ray node exports every replica's and router's metrics at http://127.0.0.1:P/metrics "
+                        "(with --ray-address: set it on `ray start --metrics-export-port` instead)")
     p.add_argument("--replica-resources", default=None, help='JSON of custom Ray resources per replica, e.g. {"replica_node": 1}')
+    add_fleet_args(p)
 
 
 def config_from_args(args: argparse.Namespace) -> AppConfig:
@@ -50,6 +55,7 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         replica_num_gpus=args.replica_gpus, max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests, api_keys=api_keys,
         replica_resources=json.loads(args.replica_resources) if args.replica_resources else {},
+        **fleet_fields(args),
     )
 
 
@@ -66,8 +72,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "cannot reach a Redis started on 127.0.0.1 here", file=sys.stderr)
         return 2
     resolve_model(config.model)  # convert the bundled model once, before replicas start
-    print(f"[prefixgate] starting: {config.replicas} replicas, policy {config.policy}, port {args.port}", flush=True)
-    stack = LocalStack(config, port=args.port, host=args.host, ray_address=args.ray_address)
+    print(f"[prefixgate] starting: {config.replicas} {config.engine} replicas, {config.gateways} gateway(s), "
+          f"policy {config.policy}, port {args.port}", flush=True)
+    if args.ray_address and args.metrics_port:
+        print("[prefixgate] --metrics-port is ignored with --ray-address: each node exports at the port "
+              "its `ray start --metrics-export-port` gave", file=sys.stderr)
+    stack = LocalStack(config, port=args.port, host=args.host, ray_address=args.ray_address, metrics_port=args.metrics_port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

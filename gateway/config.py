@@ -37,6 +37,11 @@ class AppConfig:
     seed: int | None = None
     gateway_num_cpus: float = 0.25
     gateway_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"head_node": 0.01}
+    gateways: int = 1  # ingress replicas, each with its own router (they share only Redis)
+    engine: str = "model"  # "model": the real engine; "sim": simulated compute (no model, no torch)
+    time_scale: float = 1.0  # sim: run the service model this many times faster in wall time
+    sim_service: dict[str, float] = field(default_factory=dict)  # sim: ServiceModel overrides
+    sim_replica_num_cpus: float = 0.05  # sim: CPU reserved per replica (many fit on a core)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> AppConfig:

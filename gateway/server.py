@@ -201,6 +201,7 @@ class Gateway:
         try:
             tenant = self._tenant(request)
             body = await self._parse(request, schema)
+            await self.prompts.ready(self.replicas)  # model facts from a replica, once
             if chat:
                 prompt_ids, prompt_text = self.prompts.chat(body)
             else:

@@ -1,27 +1,79 @@
 """Chat template and tokenisation, done once in the gateway: the router hashes these token ids
-and the replica computes on them, so both always agree."""
+and the replica computes on them, so both always agree.
+
+The gateway stays a light process: it loads only the model's tokenizer files with
+`PreTrainedTokenizerFast` (AutoTokenizer would import torch), and takes the facts it checks
+prompts against (context length, vocabulary, one replica's pool in tokens) from the replicas
+themselves (their `info()`), fetched once on the first request, never from engine code.
+"""
 
 from __future__ import annotations
 
-from transformers import AutoConfig, AutoTokenizer
+import asyncio
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerFast
 
 from gateway.config import AppConfig
-from gateway.errors import bad_request
+from gateway.errors import APIError, bad_request
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from replica.default_model import resolve_model
+
+FACTS_TIMEOUT_S = 60.0  # how long the first request waits for a replica to describe the model
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the gateway needs to know about the served model, as a replica reports it."""
+
+    max_model_len: int
+    vocab_size: int
+    pool_tokens: int  # tokens one replica's K/V pool holds
+
+    @classmethod
+    def from_info(cls, info: dict) -> ModelFacts:
+        pool = info.get("pool_tokens") or info["max_model_len"]
+        return cls(int(info["max_model_len"]), int(info["vocab_size"]), int(pool))
 
 
 class PromptBuilder:
     def __init__(self, config: AppConfig) -> None:
         path = resolve_model(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        model_config = AutoConfig.from_pretrained(path)
+        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
         self.model_name = config.model_name or path.name
-        self.vocab_size = model_config.vocab_size
-        limit = getattr(model_config, "max_position_embeddings", 2048)
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        self.pool_tokens = _pool_tokens(config, model_config)
         self.default_max_tokens = config.default_max_tokens
+        self.facts: ModelFacts | None = None
+        self._facts_lock = asyncio.Lock()
+
+    async def ready(self, replicas) -> ModelFacts:
+        """The model facts, asked of a replica on first use (a 503 if none answers in time)."""
+        if self.facts is None:
+            async with self._facts_lock:
+                if self.facts is None:
+                    try:
+                        info = await asyncio.wait_for(replicas.info.remote(), FACTS_TIMEOUT_S)
+                    except Exception as e:
+                        raise APIError(503, f"no replica could describe the model yet ({type(e).__name__}); retry shortly",
+                                       "server_error", code="replicas_unavailable", headers={"Retry-After": "5"}) from None
+                    self.facts = ModelFacts.from_info(info)
+        return self.facts
+
+    @property
+    def vocab_size(self) -> int:
+        return self._facts().vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._facts().max_model_len
+
+    @property
+    def pool_tokens(self) -> int:
+        return self._facts().pool_tokens
+
+    def _facts(self) -> ModelFacts:
+        if self.facts is None:
+            raise RuntimeError("PromptBuilder.ready() must run before prompts are checked")
+        return self.facts
 
     def chat(self, body: ChatCompletionRequest) -> tuple[list[int], str]:
         if body.tools:
@@ -71,16 +123,3 @@ class PromptBuilder:
                 code="context_length_exceeded",
             )
         return requested
-
-
-def _pool_tokens(config: AppConfig, model_config) -> int:
-    """Tokens one replica's K/V pool holds: the same arithmetic as the engine's sizing."""
-    import torch
-
-    from replica.model_runner import ModelShape
-
-    if config.num_blocks:
-        return config.num_blocks * config.block_size
-    dtype = torch.bfloat16 if config.device.startswith("cuda") else torch.float32  # 2 bytes either way on GPU
-    per_block = ModelShape.from_config(model_config).bytes_per_block(config.block_size, dtype)
-    return max(16, config.kv_cache_mb * 2**20 // per_block) * config.block_size

@@ -6,16 +6,22 @@ import asyncio
 import collections
 import logging
 import os
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from replica.async_engine import AsyncLLMEngine, EngineDeadError
 from replica.drain import drain_replica
-from replica.engine import EngineConfig, InvalidRequestError, LLMEngine
+from replica.engine_types import EngineConfig, InvalidRequestError
+from replica.metrics import ReplicaMetrics
 from replica.publisher import BlockPublisher, PublisherConfig
 from replica.sampling_params import SamplingParams
 from router.protocol.messages import GenerateRequest
+
+if TYPE_CHECKING:  # imported lazily: only a replica running the real model loads torch
+    from replica.engine import LLMEngine
 
 log = logging.getLogger("prefixgate.replica")
 
@@ -27,6 +33,7 @@ class ReplicaSettings:
     key_prefix: str = "prefixgate"
     publish_depth: int = 64
     torch_threads: int = 1
+    sim: dict | None = None  # SimEngineConfig fields: a simulated-compute replica (no model, no torch)
 
     @classmethod
     def from_dict(cls, d: dict) -> ReplicaSettings:
@@ -51,13 +58,22 @@ class PrefixCacheReplica:
     """Deployment class; the app builder wraps it with serve.deployment(...)."""
 
     async def __init__(self, settings: dict) -> None:
-        import torch
-
         self.settings = ReplicaSettings.from_dict(settings)
-        torch.set_num_threads(self.settings.torch_threads)
         self.replica_id = _replica_id()
-        engine = await asyncio.to_thread(LLMEngine, config=self.settings.engine)
+        if self.settings.sim is not None:
+            from replica.sim_engine import SimEngine, SimEngineConfig
+
+            engine = SimEngine(SimEngineConfig(**self.settings.sim))
+        else:
+            import torch
+
+            from replica.engine import LLMEngine
+
+            torch.set_num_threads(self.settings.torch_threads)
+            engine = await asyncio.to_thread(LLMEngine, config=self.settings.engine)
         self.engine = AsyncLLMEngine(engine)
+        self.metrics = ReplicaMetrics(engine.model_id, engine.max_model_len)  # vLLM's names, through Ray
+        self._gauges = asyncio.create_task(self.metrics.run_gauges(self.engine.stats))
         self.publisher: BlockPublisher | None = None
         self.draining = False
         # (steps started, steps finished) at each heartbeat: shows beats while a step runs
@@ -104,6 +120,7 @@ class PrefixCacheReplica:
         if self.draining:  # a late arrival: the gateway continues it on another replica
             yield {"type": "error", "code": 503, "message": "replica is shutting down", "retry": True}
             return
+        rec = self.metrics.request()
         try:
             params = SamplingParams(**request.params)
             extra = {}
@@ -114,6 +131,7 @@ class PrefixCacheReplica:
                 request.prompt_token_ids, params, request_id=request.request_id, cache_salt=request.cache_salt, **extra
             )
             async for out in stream:
+                rec.output(out)
                 if out.new_token_ids or out.new_text:
                     yield {"type": "delta", "token_ids": out.new_token_ids, "text": out.new_text}
                 if out.finished:
@@ -125,9 +143,12 @@ class PrefixCacheReplica:
                         "completion_tokens": len(out.token_ids),
                     }
         except (InvalidRequestError, TypeError, ValueError) as e:
+            rec.done = True  # refused, never ran: not a finished request
             yield {"type": "error", "code": 400, "message": str(e)}
         except EngineDeadError as e:  # failed or shutting down: another replica can continue it
             yield {"type": "error", "code": 503, "message": str(e), "retry": True}
+        finally:
+            rec.close()  # ended without finishing (client gone, engine failed): counted as abort
 
     async def info(self) -> dict:
         """Model facts the gateway needs, and live stats for /health and /metrics."""
@@ -141,6 +162,11 @@ class PrefixCacheReplica:
             "max_model_len": e.max_model_len,
             "vocab_size": e.vocab_size,
             "block_size": e.config.block_size,
+            "pool_tokens": e.blocks.num_blocks * e.config.block_size,
+            "engine": "sim" if self.settings.sim is not None else "model",
+            "step_lag": e.step_lag() if hasattr(e, "step_lag") else None,
+            "pid": os.getpid(),
+            "torch_loaded": "torch" in sys.modules,
             "stats": stats,
         }
 

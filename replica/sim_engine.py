@@ -1,0 +1,373 @@
+"""SimEngine: a replica engine whose forward pass is a sleep of the modelled step time.
+
+Everything but the model is real: the BlockManager (prefix cache, LRU, events to the
+publisher), the Scheduler (chunked prefill, admission, preemption) and the usage accounting
+(`num_cached_tokens`). Each `step()` schedules as LLMEngine does, then sleeps what the
+service model (router/sim/service.py, the one the simulator uses) says that step costs, divided
+by `time_scale`. Output tokens are deterministic fake ids (a hash of the prompt and the position,
+never an end-of-sequence id), so the same prompt gives the same answer, like greedy decoding;
+their text is a printable word per token, no tokenizer needed.
+
+It imports neither torch nor transformers, so hundreds fit on a few cores. On a busy machine a
+step can take longer than modelled (the sleep wakes late, the step's own Python work, the loop
+thread not getting the CPU): `step_lag()` reports actual vs modelled step time, and a run with
+more than 10% lag does not measure what it claims (scale time down until the lag is small).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from replica.block_manager import BlockManager, KVEventListener
+from replica.detokenizer import Detokenizer
+from replica.engine_types import EngineStats, InvalidRequestError, RequestOutput
+from replica.sampling_params import SamplingParams
+from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from replica.sequence import Sequence
+from router.protocol.hashing import block_hashes, chain_seed
+from router.sim.service import ServiceModel
+
+__all__ = ["SimEngine", "SimEngineConfig", "StepLag", "fake_token_text"]
+
+LAG_LIMIT = 0.10  # a step more than 10% over its modelled time counts as lagging
+_LAG_BUCKETS = 1000  # histogram of actual/modelled in 1% buckets, last one open-ended
+
+
+@dataclass
+class SimEngineConfig:
+    model_id: str = "sim"  # identity in block hashes (the gateway's and router's model id)
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # the service model's prefill chunk (decodes included)
+    max_model_len: int = 4096
+    vocab_size: int = 49152
+    eos_token_ids: list[int] = field(default_factory=list)  # never emitted as fake output
+    time_scale: float = 1.0  # run the service model this many times faster in wall time
+    service: dict[str, float] = field(default_factory=dict)  # ServiceModel field overrides
+
+    @classmethod
+    def for_model_dir(cls, path: str | Path, **kwargs) -> SimEngineConfig:
+        """Vocabulary, context and end-of-sequence ids of a real model, read from its JSON
+        files (no weights, no transformers), so prompts tokenised for it validate the same."""
+        path = Path(path)
+        cfg = json.loads((path / "config.json").read_text())
+        eos = cfg.get("eos_token_id")
+        gen = path / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+        facts = {
+            "vocab_size": int(cfg["vocab_size"]),
+            "eos_token_ids": [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)],
+        }
+        limit = cfg.get("max_position_embeddings")
+        if limit:
+            facts["max_model_len"] = min(int(limit), kwargs.pop("max_model_len", None) or int(limit))
+        return cls(**{**facts, **kwargs})
+
+    def service_model(self) -> ServiceModel:
+        """The unscaled service model, with the chunk and batch limits this engine runs."""
+        return ServiceModel(**{**self.service, "chunk_tokens": self.max_num_batched_tokens, "max_running": self.max_num_seqs})
+
+
+class StepLag:
+    """Actual vs modelled step time: a running sum plus a histogram for the tail."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.modelled_s = 0.0
+        self.actual_s = 0.0
+        self.over_limit = 0
+        self.max_ratio = 0.0
+        self._hist = [0] * _LAG_BUCKETS
+
+    def record(self, modelled_s: float, actual_s: float) -> None:
+        ratio = actual_s / modelled_s if modelled_s > 0 else 1.0
+        self.steps += 1
+        self.modelled_s += modelled_s
+        self.actual_s += actual_s
+        self.over_limit += ratio > 1 + LAG_LIMIT
+        self.max_ratio = max(self.max_ratio, ratio)
+        self._hist[min(int(ratio * 100), _LAG_BUCKETS - 1)] += 1
+
+    def quantile(self, q: float) -> float:
+        """Upper edge of the bucket holding quantile q of actual/modelled."""
+        if not self.steps:
+            return 0.0
+        need, seen = q * self.steps, 0
+        for i, n in enumerate(self._hist):
+            seen += n
+            if seen >= need:
+                return (i + 1) / 100
+        return self.max_ratio
+
+    def summary(self) -> dict[str, float | int | bool]:
+        mean = self.actual_s / self.modelled_s if self.modelled_s else 0.0
+        return {
+            "steps": self.steps,
+            "modelled_s": round(self.modelled_s, 4),
+            "actual_s": round(self.actual_s, 4),
+            "mean_ratio": round(mean, 4),  # time-weighted: total actual / total modelled
+            "p50_ratio": self.quantile(0.50),
+            "p99_ratio": self.quantile(0.99),
+            "max_ratio": round(self.max_ratio, 4),
+            "steps_over_10pct": self.over_limit,
+            "valid": mean <= 1 + LAG_LIMIT,
+        }
+
+
+_WORDS = (
+    "alpha bravo cedar delta ember fjord glade harbor island juniper kestrel lagoon meadow nectar "
+    "orchid prairie quartz river summit tundra umber valley willow xenon yarrow zephyr amber basil "
+    "coral dune echo fern granite hazel iris jade kelp lotus maple nova olive pebble quill reed "
+    "sage thistle upland violet wren yew zinnia acorn birch clover dahlia elm flint grove heath "
+    "ivy jasper knoll larch moss"
+).split()
+
+
+def fake_token_text(token_id: int) -> str:
+    """The printable text of a fake token: one word, space-led."""
+    return " " + _WORDS[token_id % len(_WORDS)]
+
+
+class _WordTokenizer:
+    """Just enough of a tokenizer for the Detokenizer's stop-string handling."""
+
+    eos_token_id = None
+
+    @staticmethod
+    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(fake_token_text(t) for t in ids)
+
+
+class SimEngine:
+    """Duck-types LLMEngine for AsyncLLMEngine and the replica deployment."""
+
+    def __init__(self, config: SimEngineConfig | None = None, **kwargs) -> None:
+        self.config = config = config or SimEngineConfig(**kwargs)
+        if config.time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+        self.model_id = config.model_id
+        self.max_model_len = config.max_model_len
+        self.vocab_size = config.vocab_size
+        self.service = config.service_model()
+        self.wall_service = self.service.scaled(config.time_scale)
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
+        self.detokenizer = Detokenizer(_WordTokenizer())
+        self.requests: dict[str, Sequence] = {}
+        self.lag = StepLag()
+        self._avoid = set(config.eos_token_ids)
+        self._digest: dict[str, int] = {}  # request id -> prompt digest (seeds the fake tokens)
+        self._seeds: dict[str | None, int] = {}
+        self._steps = 0
+        self._generated = 0
+        self._due: float | None = None  # modelled end of the last step, while work remains
+
+    # ---- submission ---------------------------------------------------------------------
+    def add_listener(self, listener: KVEventListener) -> None:
+        self.blocks.listeners.append(listener)
+
+    def hash_seed(self, cache_salt: str | None = None) -> int:
+        if cache_salt not in self._seeds:
+            self._seeds[cache_salt] = chain_seed(self.model_id, cache_salt)
+        return self._seeds[cache_salt]
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        try:
+            params.validate()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model's context of {self.max_model_len} tokens"
+            )
+        if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {self.blocks.blocks_needed(total)} blocks but the pool has {self.blocks.num_blocks}"
+            )
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        prefix_output_token_ids: Seq[int] = (),
+        prefix_text_len: int | None = None,
+    ) -> str:
+        """As LLMEngine.add_request, token ids only (the gateway tokenises)."""
+        if isinstance(prompt, str):
+            raise InvalidRequestError("the simulated engine takes token ids, not text")
+        params = params or SamplingParams()
+        token_ids = list(prompt)
+        self.validate(token_ids, params)
+        prefix = list(prefix_output_token_ids)
+        if prefix and (len(prefix) >= params.max_tokens or any(
+                not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in prefix)):
+            raise InvalidRequestError(f"prefix_output_token_ids must be shorter than max_tokens, in [0, {self.vocab_size})")
+        seed = self.hash_seed(cache_salt)
+        seq = Sequence(token_ids, params, seed, **({"request_id": request_id} if request_id else {}))
+        if seq.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {seq.request_id}")
+        if prefix:
+            seq.token_ids.extend(prefix)
+            seq.emitted_tokens = len(prefix)
+            seq.output_text = _WordTokenizer.decode(prefix)
+            self.detokenizer.update(seq)
+            sent = len(seq.output_text) if prefix_text_len is None else prefix_text_len
+            seq.emitted_text_len = max(0, min(sent, len(seq.output_text)))
+        seq.table.hashes = block_hashes(seq.token_ids, self.config.block_size, seed)
+        seq.arrival_time = time.monotonic()
+        self._digest[seq.request_id] = xxhash.xxh64_intdigest(array("I", token_ids).tobytes(), seed=params.seed or 0)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self._digest.pop(request_id, None)
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    # ---- stepping -----------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def modelled_step_s(self, chunks: list[ScheduledChunk], admitted: set[int]) -> float:
+        """Unscaled service time of one step: its decode batch and prefill tokens."""
+        decodes = prefill_tokens = started = 0
+        for c in chunks:
+            n = c.end - c.start
+            if n == 1 and c.start >= c.seq.num_prompt_tokens:
+                decodes += 1
+            else:
+                prefill_tokens += n
+                started += id(c.seq) in admitted
+        return self.service.engine_step_s(decodes, prefill_tokens, started)
+
+    def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        # when the previous step left work, this one was due at that step's modelled end: a
+        # late wake-up counts as lag, and a short late run is made up by sleeping less now
+        start = self._due if self._due is not None and self._due <= now else now
+        before = {id(s) for s in self.scheduler.running}
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            self._due = None
+            return []
+        admitted = {id(c.seq) for c in chunks} - before
+        modelled = self.modelled_step_s(chunks, admitted)
+        wall = modelled / self.config.time_scale
+        deadline = start + wall
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)
+        self.scheduler.commit(chunks)
+        self._steps += 1
+        outputs = [self._sample(c.seq) for c in chunks if c.samples]
+        end = time.monotonic()
+        self.lag.record(wall, end - start)
+        self._due = deadline if self.scheduler.has_work else None
+        return outputs
+
+    def _fake_token(self, seq: Sequence) -> int:
+        pos = seq.num_tokens
+        digest = self._digest.get(seq.request_id, 0)
+        token = xxhash.xxh64_intdigest(pos.to_bytes(8, "little"), seed=digest) % self.vocab_size
+        while token in self._avoid or token in seq.params.stop_token_ids:
+            token = (token + 1) % self.vocab_size
+        return token
+
+    def _sample(self, seq: Sequence) -> RequestOutput:
+        token = self._fake_token(seq)
+        seq.token_ids.append(token)
+        self._generated += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if seq.params.stop:
+            stopped = self.detokenizer.update(seq) is not None
+        else:
+            seq.output_text += fake_token_text(token)
+            stopped = False
+        if stopped:
+            self.scheduler.finish(seq, "stop")
+        elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+        out = self._output(seq)
+        if seq.is_finished:
+            self.requests.pop(seq.request_id, None)
+            self._digest.pop(seq.request_id, None)
+        return out
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = self.detokenizer.emittable(seq)
+        new_text = text[seq.emitted_text_len :]
+        seq.emitted_text_len = len(text)
+        out_ids = seq.output_token_ids
+        new_ids = out_ids[seq.emitted_tokens :]
+        seq.emitted_tokens = len(out_ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            token_ids=list(out_ids),
+            text=text,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+        )
+
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run token-id prompts to completion together; one output per prompt."""
+        param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.add_request(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, param_list, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def step_lag(self) -> dict[str, float | int | bool]:
+        return self.lag.summary()
+
+    def stats(self) -> EngineStats:
+        b = self.blocks
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            prompt_tokens=b.stats.queried_tokens,
+            cached_tokens=b.stats.hit_tokens,
+            blocks_total=b.num_blocks,
+            blocks_used=b.num_used,
+            blocks_cached=b.num_cached,
+            blocks_free=b.num_free,
+            evictions=b.stats.evictions,
+            preemptions=self.scheduler.num_preemptions,
+            pending_prefill_tokens=sum(
+                s.num_tokens - s.num_computed for s in (*self.scheduler.waiting, *self.scheduler.running)
+            ),
+            steps=self._steps,
+            generated_tokens=self._generated,
+        )
