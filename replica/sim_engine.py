@@ -28,6 +28,7 @@ import xxhash
 from replica.block_manager import BlockManager, KVEventListener
 from replica.detokenizer import Detokenizer
 from replica.engine_types import EngineStats, InvalidRequestError, RequestOutput
+from replica.request_metrics import RequestMetrics
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.sequence import Sequence
@@ -167,6 +168,7 @@ class SimEngine:
         self._avoid = set(config.eos_token_ids)
         self._digest: dict[str, int] = {}  # request id -> prompt digest (seeds the fake tokens)
         self._seeds: dict[str | None, int] = {}
+        self._scheduled_at: dict[str, float] = {}  # request id -> first time a step included it
         self._steps = 0
         self._generated = 0
         self._due: float | None = None  # modelled end of the last step, while work remains
@@ -242,6 +244,7 @@ class SimEngine:
         if seq is None:
             return False
         self._digest.pop(request_id, None)
+        self._scheduled_at.pop(request_id, None)
         self.scheduler.finish(seq, "abort")
         return True
 
@@ -273,6 +276,8 @@ class SimEngine:
             self._due = None
             return []
         admitted = {id(c.seq) for c in chunks} - before
+        for c in chunks:
+            self._scheduled_at.setdefault(c.seq.request_id, now)
         modelled = self.modelled_step_s(chunks, admitted)
         wall = modelled / self.config.time_scale
         deadline = start + wall
@@ -333,6 +338,15 @@ class SimEngine:
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
+            metrics=self._request_metrics(seq) if seq.is_finished else None,
+        )
+
+    def _request_metrics(self, seq: Sequence) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=seq.arrival_time, first_scheduled_time=self._scheduled_at.pop(seq.request_id, None),
+            first_token_time=seq.first_token_time, finished_time=time.monotonic(),
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_generation_tokens=len(seq.output_token_ids), num_preemptions=seq.num_preemptions,
         )
 
     def generate(
