@@ -33,6 +33,8 @@ class AppConfig:
     api_keys: dict[str, str] = field(default_factory=dict)  # API key -> tenant (each its own cache salt)
     redis_timeout_s: float = 0.05  # per routing lookup; after a failure Redis is skipped for 1 s
     first_token_timeout_s: float = 300.0  # a request not routed/started by then gets a 504
+    retry_attempts: int = 6  # replica calls per request when replicas fail (retry / stream migration)
+    retry_budget_s: float = 90.0  # from a request's first replica failure: then 503 with Retry-After
     session_ttl_s: int = 1800
     seed: int | None = None
     gateway_num_cpus: float = 0.25

@@ -29,18 +29,18 @@ class RequestRun:
 
     async def start(self) -> dict[str, str]:
         """Read each stream up to its first token (or end/error) so headers name the replica."""
-        for stream in self.streams:
+        for index, stream in enumerate(self.streams):
             head = []
             async for chunk in stream:
                 head.append(chunk)
                 if chunk["type"] == "start":
-                    self.replica = self.replica or chunk["replica"]
-                    self.route = self.route or chunk.get("route")
+                    if index == 0:  # the last start wins: a retry names the replica that took over
+                        self.replica, self.route = chunk["replica"], chunk.get("route")
                     continue
                 break
             error = next((c for c in head if c["type"] == "error"), None)
             if error is not None:
-                raise APIError(error["code"], error["message"], "invalid_request_error" if error["code"] < 500 else "server_error")
+                raise _error(error)
             self.first.append(head)
         self._mark_first_token()
         reason = (self.route or {}).get("reason") or (self.gw.config.policy if self.route is None else "unknown")
@@ -95,6 +95,10 @@ class RequestRun:
             m.CACHED_TOKENS.labels(replica).inc(end["cached_tokens"])
         m.COMPLETION_TOKENS.labels(replica).inc(end["completion_tokens"])
 
+    def migrations(self) -> list[dict]:
+        """Replica failures this request survived (gateway/migration.py), all choices together."""
+        return [r for i in sorted(self.ends) for r in self.ends[i].get("migrations", [])]
+
     def usage(self) -> dict:
         completion = sum(e["completion_tokens"] for e in self.ends.values())
         cached = self.ends[0]["cached_tokens"] if 0 in self.ends else 0
@@ -115,7 +119,7 @@ class RequestRun:
                 reasons[i] = chunk["finish_reason"]
                 self._account(i, chunk)
             elif chunk["type"] == "error":
-                raise APIError(chunk["code"], chunk["message"], "server_error")
+                raise _error(chunk)
         m.E2E.observe(time.monotonic() - self.arrival)
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": None}
@@ -127,7 +131,7 @@ class RequestRun:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.gw.model_name,
                 "choices": choices, "usage": self.usage(),
-                "prefixgate": {"replica": self.replica, "route": self.route}}
+                "prefixgate": {"replica": self.replica, "route": self.route, "migrations": self.migrations()}}
 
     def _sse(self, choices: list[dict], usage: dict | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -151,7 +155,7 @@ class RequestRun:
                     piece = {"delta": {}} if self.chat else {"text": ""}
                     yield self._sse([{"index": i, **piece, "finish_reason": chunk["finish_reason"], "logprobs": None}])
                 elif chunk["type"] == "error":
-                    err = APIError(chunk["code"], chunk["message"], "server_error")
+                    err = _error(chunk)
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
             if include_usage and len(self.ends) == len(self.streams):
@@ -168,3 +172,13 @@ class RequestRun:
             m.IN_FLIGHT.set(self.gw.in_flight)
             for s in self.streams:
                 asyncio.ensure_future(s.aclose())
+
+
+def _error(chunk: dict) -> APIError:
+    """An error chunk as the HTTP error to answer: 503s (no replica could finish) say when to retry."""
+    code = chunk["code"]
+    if code < 500:
+        return APIError(code, chunk["message"], "invalid_request_error")
+    headers = {"Retry-After": "2"} if code == 503 else None
+    return APIError(code, chunk["message"], "server_error", code="replica_unavailable" if code == 503 else None,
+                    headers=headers)

@@ -26,13 +26,14 @@ from ray.serve.handle import DeploymentHandle
 from gateway import metrics as m
 from gateway.config import AppConfig
 from gateway.errors import APIError, bad_request
+from gateway.migration import MigrationPolicy, ResilientStream
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.request_run import RequestRun
 from gateway.tokenization import PromptBuilder
 from router.protocol.messages import GenerateRequest
 
 log = logging.getLogger("prefixgate.gateway")
-MAX_ATTEMPTS = 3
+RETRYABLE = (ray.exceptions.RayError, serve.exceptions.BackPressureError)  # the replica, not the request
 
 app = FastAPI(title="prefixgate", description="OpenAI-compatible gateway with prefix-cache-aware routing")
 
@@ -143,28 +144,12 @@ class Gateway:
             raise APIError(429, "replicas are saturated; retry shortly", "rate_limit_error",
                            code="server_overloaded", headers={"Retry-After": "1"})
 
-    async def _replica_stream(self, req: GenerateRequest) -> AsyncIterator[dict]:
-        """Chunks from one replica; retried elsewhere if a replica fails before its first token."""
+    def _replica_stream(self, req: GenerateRequest) -> AsyncIterator[dict]:
+        """Chunks of one request; retried or continued on another replica whenever one fails
+        (see gateway/migration.py)."""
         handle = self.replicas.options(stream=True, **({"session_id": req.session_id} if req.session_id else {}))
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            started = False
-            gen = handle.generate.remote(req)
-            try:
-                async for chunk in gen:
-                    if chunk["type"] != "start":
-                        started = True
-                    yield chunk
-                return
-            except (ray.exceptions.RayError, serve.exceptions.BackPressureError) as e:
-                if started or attempt == MAX_ATTEMPTS:
-                    log.warning("replica failed mid-request %s: %r", req.request_id, e)
-                    yield {"type": "error", "code": 503, "message": "the replica serving this request failed"}
-                    return
-                m.RETRIES.inc()
-                log.warning("replica failed before the first token of %s; retrying (%r)", req.request_id, e)
-                await asyncio.sleep(0.2 * attempt)  # let Serve drop the dead replica from routing
-            finally:
-                gen.cancel()  # no-op when complete; aborts the replica's work when we stop early
+        policy = MigrationPolicy(self.config.retry_attempts, self.config.retry_budget_s)
+        return ResilientStream(handle.generate.remote, req, policy, RETRYABLE).__aiter__()
 
     async def _generate(self, body, prompt_ids: list[int], prompt_text: str, session: str | None,
                         tenant: str | None) -> list[AsyncIterator[dict]]:

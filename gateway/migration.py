@@ -1,0 +1,160 @@
+"""No request lost when a replica dies: retry before the first token, migrate after it.
+
+The gateway holds all a request needs to run again: the prompt token ids, the sampling
+parameters and the tokens already sent. When a replica stream fails (the replica process
+died, Serve raised, or the replica answered with a retryable 503 because it is shutting down
+or its engine failed), this wrapper sends the request to another replica:
+
+* before any token was sent: the same request again, same seed (a plain retry);
+* after tokens were sent: a continuation. The prompt stays the same and the tokens already
+  sent go along as `prefix_output_token_ids`, so the new replica treats them as its own
+  output: max_tokens, stop strings, text (no duplicated or missing characters) and usage
+  count them. The new replica recomputes prompt + sent tokens (minus whatever it has cached);
+  that recompute is logged and counted per migration. Greedy output continues identically
+  (up to rounding at near-ties); seeded sampling continues from a seed derived from the
+  request's seed and the number of tokens sent, so a rerun of the same failure is reproducible.
+
+The caller sees one stream: one "start" per replica tried (the last one names the replica),
+deltas, one "end". Attempts and total time are bounded; past them the stream ends with a 503
+error chunk (`exhausted`), which the gateway turns into a 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from gateway import metrics as m
+from router.protocol.messages import GenerateRequest
+
+log = logging.getLogger("prefixgate.migration")
+
+
+@dataclass
+class MigrationPolicy:
+    max_attempts: int = 6  # replica calls per request, the first included
+    budget_s: float = 90.0  # from the first failure: past it, give up with a 503
+    backoff_s: float = 0.25  # doubled per attempt (Serve needs a moment to drop a dead replica)
+    max_backoff_s: float = 4.0
+
+
+@dataclass
+class MigrationRecord:
+    """One failure and what was resent because of it."""
+
+    attempt: int
+    reason: str
+    sent_tokens: int  # output tokens the client already had
+    recompute_tokens: int  # prompt + sent tokens the next replica must prefill (before its cache)
+
+
+def derive_seed(seed: int, sent_tokens: int) -> int:
+    """Seed for a continuation after `sent_tokens` tokens: fixed for a given request and cut
+    point, different from the original so the continuation does not replay its draws."""
+    return (seed * 1_000_003 + sent_tokens * 7_919 + 1) % 2**63
+
+
+def continuation(req: GenerateRequest, sent_ids: list[int], sent_text_len: int) -> GenerateRequest:
+    params = dict(req.params)
+    if sent_ids and params.get("seed") is not None:
+        params["seed"] = derive_seed(int(params["seed"]), len(sent_ids))
+    return dataclasses.replace(
+        req, params=params, request_id=uuid.uuid4().hex, route=None,
+        prefix_output_token_ids=list(sent_ids), prefix_text_len=sent_text_len,
+    )
+
+
+def _inc(name: str, *labels: str, amount: float = 1) -> None:
+    metric = getattr(m, name, None)  # defined in gateway/metrics.py
+    if metric is not None:
+        (metric.labels(*labels) if labels else metric).inc(amount)
+
+
+class ResilientStream:
+    """Chunks of one request, continued on another replica whenever one fails."""
+
+    def __init__(self, call: Callable[[GenerateRequest], AsyncIterator[dict]], req: GenerateRequest,
+                 policy: MigrationPolicy, retryable: tuple[type[BaseException], ...]) -> None:
+        self.call, self.req, self.policy, self.retryable = call, req, policy, retryable
+        self.sent_ids: list[int] = []
+        self.sent_text_len = 0
+        self.migrations: list[MigrationRecord] = []
+
+    async def __aiter__(self) -> AsyncIterator[dict]:
+        first_failure: float | None = None
+        for attempt in range(1, self.policy.max_attempts + 1):
+            req = continuation(self.req, self.sent_ids, self.sent_text_len) if attempt > 1 else self.req
+            failure: str | None = None
+            stream = self.call(req)
+            try:
+                async for chunk in stream:
+                    kind = chunk["type"]
+                    if kind == "error" and chunk.get("retry"):
+                        failure = chunk["message"]
+                        break
+                    if kind == "delta":
+                        self.sent_ids += chunk["token_ids"]
+                        self.sent_text_len += len(chunk["text"])
+                    elif kind == "end":
+                        yield self._final(chunk)
+                        return
+                    yield chunk
+                    if kind == "error":
+                        return  # the request itself is bad: no other replica would do better
+                else:
+                    failure = "the replica stream ended without finishing"
+            except self.retryable as e:
+                failure = f"{type(e).__name__}: {e}"
+            finally:
+                await _close(stream)
+            now = time.monotonic()
+            first_failure = first_failure or now
+            self._record(attempt, failure)
+            if attempt == self.policy.max_attempts or now - first_failure > self.policy.budget_s:
+                break
+            delay = min(self.policy.backoff_s * 2 ** (attempt - 1), self.policy.max_backoff_s)
+            await asyncio.sleep(min(delay, max(0.0, first_failure + self.policy.budget_s - now)))
+        if self.sent_ids:
+            _inc("MIGRATIONS", "failed")
+        yield {"type": "error", "code": 503, "exhausted": True,
+               "message": f"no replica could complete this request after {len(self.migrations)} failure(s); retry shortly"}
+
+    def _record(self, attempt: int, failure: str) -> None:
+        sent = len(self.sent_ids)
+        rec = MigrationRecord(attempt, failure, sent, len(self.req.prompt_token_ids) + sent)
+        self.migrations.append(rec)
+        if sent:
+            log.warning("request %s: replica failed after %d tokens (%s); continuing elsewhere, "
+                        "recomputing %d tokens", self.req.request_id, sent, failure, rec.recompute_tokens)
+        else:
+            _inc("RETRIES")
+            log.warning("request %s: replica failed before the first token (%s); retrying",
+                        self.req.request_id, failure)
+
+    def _final(self, end: dict) -> dict:
+        end = dict(end)
+        # cached_tokens is about the prompt; a continuation may also hit its own sent tokens
+        end["cached_tokens"] = min(end["cached_tokens"], end["prompt_tokens"])
+        resumed = [r for r in self.migrations if r.sent_tokens]
+        for _ in resumed:
+            _inc("MIGRATIONS", "resumed")
+        end["migrations"] = [dataclasses.asdict(r) for r in self.migrations]
+        return end
+
+
+async def _close(stream) -> None:
+    """Stop the replica's work when we leave its stream early (no-op when it completed)."""
+    cancel = getattr(stream, "cancel", None)
+    if cancel is not None:
+        cancel()
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:
+            pass
