@@ -1,9 +1,14 @@
 """Publishes a replica's cached block hashes and load to Redis, off the engine's step loop.
 
 The engine calls stored/removed/cleared from its step thread; those only append to a queue.
-A background asyncio task drains it in pipelined batches, beats a heartbeat (load, short TTL)
-and garbage-collects replicas whose heartbeat expired. If Redis is slow or down, events are
+A background asyncio task drains it in pipelined batches into the shared index (through
+router.index_writer), beats a heartbeat (load, short TTL) and takes part in the fleet's
+garbage collection (one replica per period, by lease). If Redis is slow or down, events are
 dropped with a counter and the full current set is re-published once Redis answers again.
+
+Resyncs are ordered by a generation counter: every reason to resync (start, cleared(), a
+dropped event, a lost heartbeat) bumps `_wanted`; a resync records the generation it started
+from and only marks that one done, so a cleared() during a resync triggers another.
 """
 
 from __future__ import annotations
@@ -13,13 +18,13 @@ import collections
 import inspect
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-
-from router.protocol.redis_schema import GC_SCRIPT, RedisKeys
-from router.redis_index import connect
+from router.index_writer import IndexWriter
+from router.protocol.redis_schema import HEARTBEAT_FIELDS, RedisKeys
+from router.redis_index import Client, open_client
 
 log = logging.getLogger("prefixgate.publisher")
 
@@ -33,9 +38,10 @@ class PublisherConfig:
     flush_s: float = 0.02
     heartbeat_s: float = 0.5
     heartbeat_ttl_s: float = 3.0
-    gc_s: float = 5.0
+    gc_s: float = 1.0  # the fleet collects garbage once per period, whatever its size
     timeout_s: float = 0.5
     max_backlog: int = 200_000  # events held while Redis is away before dropping to a resync
+    buckets: int = 16  # must match the routers' (RedisConfig.buckets)
 
 
 @dataclass
@@ -44,6 +50,7 @@ class PublisherStats:
     dropped: int = 0
     resyncs: int = 0
     errors: int = 0
+    collected: int = 0  # dead replicas this one garbage-collected
     connected: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -55,19 +62,29 @@ class BlockPublisher:
         snapshot: Callable[[], list[tuple[int, int]]],
         load: Callable[[], dict[str, int]],
     ) -> None:
-        """snapshot() returns (hash, position) of every cached block and must call
-        take_snapshot_events() atomically with it (under the engine's lock)."""
+        """snapshot() returns (hash, position) of every cached block (or an awaitable of it)
+        and must call reset_events() atomically with taking it (under the engine's lock)."""
         self.config = config
-        self.keys = RedisKeys(config.key_prefix)
+        self.keys = RedisKeys(config.key_prefix, config.buckets)
         self._snapshot = snapshot
         self._load = load
         self._events: collections.deque[tuple[str, list[int]]] = collections.deque()
         self._backlog = 0
         self._lock = threading.Lock()
-        self._resync = True
+        self._wanted = 1  # resync generations requested / completed
+        self._done = 0
+        self._holder = f"{config.replica_id}/{uuid.uuid4().hex[:8]}"
         self.stats = PublisherStats()
         self._task: asyncio.Task | None = None
-        self._client: aioredis.Redis | None = None
+        self._client: Client | None = None
+
+    @property
+    def resync_due(self) -> bool:
+        return self._done < self._wanted
+
+    def request_resync(self) -> None:
+        with self._lock:
+            self._wanted += 1
 
     # ---- KVEventListener (engine thread) -------------------------------------------------
     def stored(self, hashes: list[int], positions: list[int]) -> None:
@@ -82,13 +99,13 @@ class BlockPublisher:
         with self._lock:
             self._events.clear()
             self._backlog = 0
-            self._resync = True
+            self._wanted += 1
 
     def _push(self, op: str, hashes: list[int]) -> None:
         with self._lock:
             if self._backlog >= self.config.max_backlog:
                 self.stats.dropped += len(hashes)
-                self._resync = True
+                self._wanted += 1
                 return
             self._events.append((op, hashes))
             self._backlog += len(hashes)
@@ -109,9 +126,9 @@ class BlockPublisher:
             # bounded: a Redis call stuck in a socket must not hang the replica's shutdown
             await asyncio.wait({self._task}, timeout=self.config.timeout_s * 4)
         if unregister and self._client is not None:
-            try:
-                keys = self.keys.heartbeat(self.config.replica_id), self.keys.blocks(self.config.replica_id)
-                await asyncio.wait_for(self._client.delete(*keys), self.config.timeout_s * 2)
+            try:  # retract our entries now rather than waiting for garbage collection
+                writer = IndexWriter(self._client, self.keys)
+                await asyncio.wait_for(writer.retract(self.config.replica_id), self.config.timeout_s * 4)
             except Exception:  # Redis away: the heartbeat TTL and GC clean up instead
                 pass
         if self._client is not None:
@@ -121,22 +138,28 @@ class BlockPublisher:
                 pass
 
     async def _run(self) -> None:
-        self._client = connect(self.config.redis_url, self.config.timeout_s)
-        gc = self._client.register_script(GC_SCRIPT)
         loop = asyncio.get_running_loop()
         next_beat = next_gc = 0.0
         bound = self.config.timeout_s * 4  # no Redis call may hang the loop (e.g. a stuck TLS handshake)
+        writer: IndexWriter | None = None
         while True:
             try:
-                if self._resync:
-                    await asyncio.wait_for(self._full_resync(), bound)
-                await asyncio.wait_for(self._flush(), bound)
+                if writer is None:
+                    self._client = await asyncio.wait_for(open_client(self.config.redis_url, self.config.timeout_s), bound)
+                    writer = IndexWriter(self._client, self.keys)
+                if self.resync_due:
+                    await self._full_resync(writer, bound)
+                await asyncio.wait_for(self._flush(writer), bound)
                 now = loop.time()
                 if now >= next_beat:
-                    await asyncio.wait_for(self._heartbeat(), bound)
+                    await asyncio.wait_for(self._heartbeat(writer), bound)
                     next_beat = now + self.config.heartbeat_s
                 if now >= next_gc:
-                    await asyncio.wait_for(gc(args=[self.config.key_prefix]), bound)
+                    gc_ms = int(self.config.gc_s * 1000)
+                    dead = await asyncio.wait_for(writer.collect_garbage(self._holder, gc_ms), bound * 4)
+                    if dead:
+                        self.stats.collected += len(dead)
+                        log.info("garbage-collected dead replicas %s", dead)
                     next_gc = now + self.config.gc_s
                 self.stats.connected = True
                 await asyncio.sleep(self.config.flush_s)
@@ -147,54 +170,43 @@ class BlockPublisher:
                 if self.stats.connected:
                     log.warning("redis unavailable (%r); will resync when it is back", e)
                 self.stats.connected = False
-                self._resync = True
                 with self._lock:  # events are stale once a resync is due
+                    self._wanted += 1
                     self.stats.dropped += self._backlog
                     self._events.clear()
                     self._backlog = 0
                 await asyncio.sleep(min(1.0, self.config.heartbeat_s * 2))
 
-    async def _full_resync(self) -> None:
+    async def _full_resync(self, writer: IndexWriter, bound: float) -> None:
+        generation = self._wanted
         snapshot = self._snapshot()  # also clears queued events, atomically with the engine
         if inspect.isawaitable(snapshot):  # the replica takes it between engine steps
             snapshot = await snapshot
         hashes = [h for h, p in snapshot if p < self.config.depth]
-        rid = self.config.replica_id
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(self.keys.blocks(rid))
-        for i in range(0, len(hashes), 5000):
-            pipe.sadd(self.keys.blocks(rid), *hashes[i : i + 5000])
-        pipe.sadd(self.keys.replicas, rid)
-        await pipe.execute()
-        await self._heartbeat()
-        self._resync = False
+        # a big cache takes longer than one call's bound: allow for its size
+        await asyncio.wait_for(writer.replace(self.config.replica_id, hashes), bound + len(hashes) / 20_000)
+        await asyncio.wait_for(self._heartbeat(writer), bound)
+        self._done = max(self._done, generation)
         self.stats.resyncs += 1
         self.stats.published += len(hashes)
 
-    async def _flush(self) -> None:
+    async def _flush(self, writer: IndexWriter) -> None:
         with self._lock:
             batch = list(self._events)
             self._events.clear()
             self._backlog = 0
         if not batch:
             return
-        key = self.keys.blocks(self.config.replica_id)
-        pipe = self._client.pipeline(transaction=False)
-        for op, hashes in batch:
-            (pipe.sadd if op == "+" else pipe.srem)(key, *hashes)
-        await pipe.execute()
+        await writer.apply(self.config.replica_id, batch)
         self.stats.published += sum(len(h) for _, h in batch)
 
-    async def _heartbeat(self) -> None:
-        rid = self.config.replica_id
-        key = self.keys.heartbeat(rid)
+    async def _heartbeat(self, writer: IndexWriter) -> None:
         load = self._load()
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hset(key, mapping=load)
-        pipe.pexpire(key, int(self.config.heartbeat_ttl_s * 1000))
-        pipe.sadd(self.keys.replicas, rid)
-        created, _, _ = await pipe.execute()
-        if created == len(load) and not self._resync:
+        lost = await writer.heartbeat(self.config.replica_id, load, int(self.config.heartbeat_ttl_s * 1000))
+        if lost and not self.resync_due:
             # The heartbeat was gone: Redis restarted, or we were silent long enough for
             # garbage collection to drop our blocks. Either way, publish everything again.
-            self._resync = True
+            self.request_resync()
+
+
+__all__ = ["BlockPublisher", "PublisherConfig", "PublisherStats", "HEARTBEAT_FIELDS"]

@@ -69,7 +69,32 @@ class Policy:
         replicas: list[ReplicaView],
         session_replica: str | None = None,
     ) -> Decision:
+        """Decide and record the decision at once (the simulator's path)."""
+        decision = self.decide(request, replicas, session_replica)
+        self.commit(request, decision.replica_id, decision.matched_blocks, len(replicas))
+        return decision
+
+    def decide(
+        self,
+        request: RouteRequest,
+        replicas: list[ReplicaView],
+        session_replica: str | None = None,
+    ) -> Decision:
+        """Pick a replica without recording anything: a router may call it again for the same
+        request, and only `commit` (once the request really went somewhere) has effects."""
         raise NotImplementedError
+
+    def commit(self, request: RouteRequest, replica_id: str, matched_blocks: int, fleet_size: int) -> None:
+        """The request was routed to `replica_id` (the policy's pick or a fallback)."""
+
+    def cost(self, request: RouteRequest, v: ReplicaView) -> float:
+        """What sending the request to `v` costs, in prefill-token equivalents: ranks fallbacks."""
+        uncached = max(request.num_prompt_tokens - v.matched_blocks * request.block_size, 0)
+        return uncached + v.pending_prefill_tokens + 256.0 * _queued(v)
+
+    def rank(self, request: RouteRequest, replicas: list[ReplicaView]) -> list[ReplicaView]:
+        """Replicas from cheapest to dearest by `cost` (stable for ties)."""
+        return sorted(replicas, key=lambda v: self.cost(request, v))
 
     def _argmin(self, replicas: list[ReplicaView], key) -> ReplicaView:
         """Replica with the smallest key; exact ties broken at random (not by list order)."""
@@ -83,7 +108,7 @@ class RandomPolicy(Policy):
 
     name = "random"
 
-    def choose(self, request, replicas, session_replica=None):
+    def decide(self, request, replicas, session_replica=None):
         _require(replicas)
         v = self.rng.choice(replicas)
         return Decision(v.replica_id, "fallback", v.matched_blocks)
@@ -94,7 +119,7 @@ class LeastLoadedPolicy(Policy):
 
     name = "least-loaded"
 
-    def choose(self, request, replicas, session_replica=None):
+    def decide(self, request, replicas, session_replica=None):
         _require(replicas)
         v = self._argmin(replicas, lambda r: (r.pending_prefill_tokens, _queued(r)))
         return Decision(v.replica_id, "load", v.matched_blocks)
@@ -105,7 +130,7 @@ class PowerOfTwoPolicy(Policy):
 
     name = "pow2"
 
-    def choose(self, request, replicas, session_replica=None):
+    def decide(self, request, replicas, session_replica=None):
         _require(replicas)
         if len(replicas) == 1:
             v = replicas[0]
@@ -121,7 +146,7 @@ class PrefixPolicy(Policy):
 
     name = "prefix"
 
-    def choose(self, request, replicas, session_replica=None):
+    def decide(self, request, replicas, session_replica=None):
         _require(replicas)
         v = self._argmin(
             replicas, lambda r: (-r.matched_blocks, r.pending_prefill_tokens, _queued(r))
@@ -174,7 +199,7 @@ class SessionPolicy(Policy):
             self._ring, self._ring_ids = HashRing(list(ids), self.vnodes), ids
         return self._ring
 
-    def choose(self, request, replicas, session_replica=None):
+    def decide(self, request, replicas, session_replica=None):
         _require(replicas)
         key = session_key(request)
         if key is None:
@@ -260,14 +285,12 @@ class AffinityPolicy(Policy):
             + self.decode_weight * _queued(v)
         )
 
-    def choose(self, request, replicas, session_replica=None):
-        _require(replicas)
-        decision = self._decide(request, replicas, session_replica)
-        uncached = request.num_prompt_tokens - decision.matched_blocks * request.block_size
-        self._charge(decision.replica_id, max(uncached, 0), len(replicas))
-        return decision
+    def commit(self, request, replica_id, matched_blocks, fleet_size):
+        uncached = request.num_prompt_tokens - matched_blocks * request.block_size
+        self._charge(replica_id, max(uncached, 0), fleet_size)
 
-    def _decide(self, request, replicas, session_replica):
+    def decide(self, request, replicas, session_replica=None):
+        _require(replicas)
         costs = {v.replica_id: self.cost(request, v) for v in replicas}
         low = min(costs.values())
         near = [v for v in replicas if costs[v.replica_id] <= low + self.balance_tolerance * request.num_prompt_tokens]

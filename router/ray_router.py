@@ -2,10 +2,17 @@
 
 Set on the replica deployment through RequestRouterConfig, so it runs in every process that
 holds a handle to the replicas (the gateway, Serve's proxies); all instances share one view
-through Redis. Per request: chained block hashes of the prompt's token ids, one scripted
-Redis round trip for every live replica's leading-block match, heartbeat load and the
-session's last replica, then the policy. Redis slow or down: consistent hashing on the
-session over live replicas, never a blocked request.
+through Redis. Per request: chained block hashes of the prompt's token ids, one lookup in the
+inverted index (the replicas holding the prompt's leading blocks, sampled, and the session's
+last replica), load from a router-local table refreshed in the background, then the policy
+scores only the matched replicas, the session's and a few sampled ones: the decision's cost
+does not grow with the fleet. Redis slow or down: consistent hashing on the session over live
+replicas, never a blocked request.
+
+Under saturation Ray calls choose_replicas again for the same request until a replica accepts
+it. The decision is cached per request, so the lookup runs once; side effects (in-flight
+prefixes, session, balance tally) happen once, in on_request_routed, for the replica that
+really took the request; and should_backoff is set, since every candidate was already ranked.
 """
 
 from __future__ import annotations
@@ -14,9 +21,17 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
 
+from router.load_table import LoadTable
 from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
 from router.protocol.hashing import block_hashes, chain_seed
@@ -69,6 +84,23 @@ class InflightPrefixes:
             del self._entries[h]
 
 
+@dataclass
+class Routed:
+    """One request's decision, kept from choose_replicas until Ray reports where it went."""
+
+    route: RouteRequest
+    decision: Decision
+    ranked: list[str]  # scored replicas, cheapest first (the decision's replica first)
+    matched: dict[str, int] = field(default_factory=dict)
+    fleet_size: int = 0
+    calls: int = 1
+    created: float = field(default_factory=time.monotonic)
+
+
+DECISION_TTL_S = 60.0  # a request never routed (cancelled) is forgotten after this
+MAX_DECISIONS = 10_000
+
+
 class PrefixGateRouter(RequestRouter):
     def initialize_state(
         self,
@@ -82,6 +114,9 @@ class PrefixGateRouter(RequestRouter):
         session_ttl_s: int = 1800,
         seed: int | None = None,
         policy_options: dict | None = None,
+        sampled_replicas: int = 4,
+        index_buckets: int = 16,
+        load_refresh_s: float = 0.1,
     ) -> None:
         self.policy_name = policy
         self.policy = make_policy(policy, seed=seed, **(policy_options or {}))
@@ -89,14 +124,18 @@ class PrefixGateRouter(RequestRouter):
         self.model_id = model_id
         self.block_size = block_size
         self.depth = publish_depth
+        self.sampled_replicas = sampled_replicas
         self.index = (
-            RedisIndex(RedisConfig(redis_url, key_prefix, redis_timeout_s, session_ttl_s=session_ttl_s))
+            RedisIndex(RedisConfig(redis_url, key_prefix, redis_timeout_s, session_ttl_s=session_ttl_s, buckets=index_buckets))
             if redis_url
             else None
         )
+        self.loads = LoadTable(self.index, load_refresh_s, seed=seed) if self.index is not None else None
         self._seeds: dict[str | None, int] = {}
         self._background: set[asyncio.Task] = set()
         self.inflight = InflightPrefixes(INFLIGHT_TTL_S)
+        self._decisions: OrderedDict[str, Routed] = OrderedDict()
+        self.routed = 0  # requests Ray reported as routed (on_request_routed)
 
     def _hashes(self, req: GenerateRequest) -> list[int]:
         seed = self._seeds.get(req.cache_salt)
@@ -104,6 +143,10 @@ class PrefixGateRouter(RequestRouter):
             seed = self._seeds[req.cache_salt] = chain_seed(self.model_id, req.cache_salt)
         depth_tokens = self.depth * self.block_size
         return block_hashes(req.prompt_token_ids[:depth_tokens], self.block_size, seed)
+
+    @staticmethod
+    def _key(pending_request: PendingRequest, req: GenerateRequest) -> str:
+        return pending_request.metadata.internal_request_id or req.request_id
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -113,16 +156,23 @@ class PrefixGateRouter(RequestRouter):
         req = pending_request.args[0] if pending_request.args else None
         if not isinstance(req, GenerateRequest):
             return [candidate_replicas]
-        start = time.perf_counter()
+        # every candidate is ranked below: if none takes the request, retrying at once is futile
+        pending_request.routing_context.should_backoff = True
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        key = self._key(pending_request, req)
+        routed = self._decisions.get(key)
+        if routed is not None and any(rid in by_id for rid in routed.ranked):
+            routed.calls += 1  # Ray retries (all busy): same decision, no second lookup
+            return self._ranks(routed, candidate_replicas, by_id)
+        start = time.perf_counter()
         session = pending_request.metadata.session_id or req.session_id or None
         hashes = self._hashes(req)
         route = RouteRequest(hashes, len(req.prompt_token_ids), self.block_size, session)
-        decision = await self._decide(route, by_id)
-        self.inflight.add(hashes, decision.replica_id)
-        elapsed = time.perf_counter() - start
+        routed = await self._decide(route, by_id)
+        self._remember(key, routed)
+        decision = routed.decision
         metrics = router_metrics()
-        metrics.latency.observe(elapsed)
+        metrics.latency.observe(time.perf_counter() - start)
         metrics.decisions.labels(self.policy_name, decision.reason).inc()
         metrics.matched_blocks.labels(self.policy_name).inc(decision.matched_blocks)
         req.route = {
@@ -131,48 +181,104 @@ class PrefixGateRouter(RequestRouter):
             "replica": decision.replica_id,
             "matched_blocks": decision.matched_blocks,
         }
-        chosen = by_id[decision.replica_id]
-        rest = [r for r in candidate_replicas if r is not chosen]
-        return [[chosen], rest] if rest else [[chosen]]
+        return self._ranks(routed, candidate_replicas, by_id)
 
-    async def _decide(self, route: RouteRequest, by_id: dict[str, RunningReplica]) -> Decision:
+    @staticmethod
+    def _ranks(routed: Routed, candidates: list[RunningReplica], by_id: dict[str, RunningReplica]) -> list[list[RunningReplica]]:
+        """The scored replicas one rank each, cheapest first; the unscored rest last."""
+        ranks = [[by_id[rid]] for rid in routed.ranked if rid in by_id]
+        scored = set(routed.ranked)
+        rest = [r for r in candidates if r.replica_id.unique_id not in scored]
+        return ranks + [rest] if rest else ranks
+
+    def _remember(self, key: str, routed: Routed) -> None:
+        self._decisions[key] = routed
+        now = time.monotonic()
+        while self._decisions:
+            first = next(iter(self._decisions.values()))
+            if len(self._decisions) <= MAX_DECISIONS and now - first.created < DECISION_TTL_S:
+                break
+            self._decisions.popitem(last=False)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        """The request went to `replica_id`: record it, once, where it really went."""
+        req = pending_request.args[0] if pending_request.args else None
+        if not isinstance(req, GenerateRequest):
+            return
+        routed = self._decisions.pop(self._key(pending_request, req), None)
+        if routed is None:
+            return
+        self.routed += 1
+        rid = replica_id.unique_id
+        matched = routed.matched.get(rid, 0)
+        self.inflight.add(routed.route.block_hashes, rid)
+        self.policy.commit(routed.route, rid, matched, routed.fleet_size)
+        if routed.route.session_id and self.index is not None:
+            self._spawn(self.index.remember_session(routed.route.session_id, rid))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._decisions.pop(internal_request_id, None)
+
+    async def _decide(self, route: RouteRequest, by_id: dict[str, RunningReplica]) -> Routed:
         ids = list(by_id)
         if self.index is not None:
             try:
-                look = await self.index.lookup(route.block_hashes, ids, route.session_id)
+                look = await self.index.lookup(route.block_hashes, None, route.session_id)
             except IndexUnavailable:
                 router_metrics().index_failures.inc()
             else:
-                views = []
-                pending = self.inflight.match(route.block_hashes)
-                for rid in ids:
-                    entry = look.replicas.get(rid)
-                    hb = entry.heartbeat if entry else {}
-                    # heartbeats lag by up to half a second; this router's own in-flight count
-                    # (kept by Ray Serve) covers requests it sent since
-                    local_queue = self.replica_queue_len_cache.get(by_id[rid].replica_id) or 0
-                    views.append(
-                        ReplicaView(
-                            replica_id=rid,
-                            matched_blocks=max(entry.matched_blocks if entry else 0, pending.get(rid, 0)),
-                            running=hb.get("running", 0),
-                            waiting=max(hb.get("waiting", 0), local_queue - hb.get("running", 0)),
-                            pending_prefill_tokens=hb.get("pending_prefill_tokens", 0),
-                            free_blocks=hb.get("free_blocks", 0),
-                            cached_blocks=hb.get("cached_blocks", 0),
-                            capacity_blocks=hb.get("capacity_blocks", 0),
-                        )
-                    )
-                session_replica = look.session_replica if look.session_replica in by_id else None
-                decision = self.policy.choose(route, views, session_replica)
-                if route.session_id:
-                    self._spawn(self.index.remember_session(route.session_id, decision.replica_id))
-                return decision
-        decision = self.fallback.choose(route, [ReplicaView(rid) for rid in ids])
-        return Decision(decision.replica_id, "fallback", 0)
+                return self._score(route, by_id, ids, look)
+        decision = self.fallback.decide(route, [ReplicaView(rid) for rid in ids])
+        return Routed(route, Decision(decision.replica_id, "fallback", 0), [decision.replica_id], fleet_size=len(ids))
+
+    def _score(self, route: RouteRequest, by_id: dict[str, RunningReplica], ids: list[str], look) -> Routed:
+        """Views of the matched replicas, the session's, and a few sampled for load; the policy
+        decides among those only."""
+        assert self.loads is not None
+        self.loads.watch(ids)
+        matched = {rid: e.matched_blocks for rid, e in look.replicas.items() if rid in by_id}
+        for rid, n in self.inflight.match(route.block_hashes).items():
+            if rid in by_id and n > matched.get(rid, 0):
+                matched[rid] = n
+        session_replica = look.session_replica if look.session_replica in by_id else None
+        scored = set(matched)
+        if session_replica is not None:
+            scored.add(session_replica)
+        scored.update(self.loads.sample(ids, self.sampled_replicas, scored))
+        if not scored:
+            scored.add(ids[0])
+        unknown = self.loads.pessimistic()
+        views = [self._view(rid, matched.get(rid, 0), by_id[rid], unknown) for rid in scored]
+        decision = self.policy.decide(route, views, session_replica)
+        ranked = [decision.replica_id] + [v.replica_id for v in self.policy.rank(route, views) if v.replica_id != decision.replica_id]
+        return Routed(route, decision, ranked, matched, fleet_size=len(ids))
+
+    def _view(self, rid: str, matched: int, replica: RunningReplica, unknown: dict[str, int]) -> ReplicaView:
+        hb = self.loads.get(rid)
+        if hb is None:  # no heartbeat: unknown load, never idle
+            hb = unknown
+        # heartbeats lag by up to half a second; this router's own in-flight count
+        # (kept by Ray Serve) covers requests it sent since
+        local_queue = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        running = hb.get("running", 0)
+        return ReplicaView(
+            replica_id=rid,
+            matched_blocks=matched,
+            running=running,
+            waiting=max(hb.get("waiting", 0), local_queue - running),
+            pending_prefill_tokens=hb.get("pending_prefill_tokens", 0),
+            free_blocks=hb.get("free_blocks", 0),
+            cached_blocks=hb.get("cached_blocks", 0),
+            capacity_blocks=hb.get("capacity_blocks", 0),
+        )
 
     def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(_quietly(coro))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            coro.close()
+            return
+        task = loop.create_task(_quietly(coro))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

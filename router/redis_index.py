@@ -1,4 +1,9 @@
-"""The router's view of the shared index in Redis: one scripted round trip per decision.
+"""The router's view of the shared index in Redis: what it costs does not grow with the fleet.
+
+A lookup sends the prompt's block keys to the inverted index (block hash -> replicas holding
+it) and samples a few holders per block: one script call per hash tag, pipelined, so a
+standalone Redis answers in one round trip and a Redis Cluster in one round trip per shard, in
+parallel. The work inside Redis is bounded by blocks x sample size, never by the replica count.
 
 Redis being slow or down must never block a request: every call has a timeout of a few
 milliseconds, and after a failure the index is skipped for a short cool-down so that requests
@@ -13,8 +18,12 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
-from router.protocol.redis_schema import HEARTBEAT_FIELDS, LOOKUP_SCRIPT, RedisKeys
+from router.protocol.redis_schema import LOOKUP_SCRIPT, RedisKeys
+
+Client = aioredis.Redis | RedisCluster
 
 
 @dataclass
@@ -24,12 +33,14 @@ class RedisConfig:
     timeout_s: float = 0.02
     cooldown_s: float = 1.0
     session_ttl_s: int = 1800
+    buckets: int = 16  # hash tags the block index spreads over (cluster slots)
+    sample: int = 4  # holders sampled per block: bounds a lookup's cost on a hot prefix
 
 
 @dataclass
 class ReplicaEntry:
     matched_blocks: int
-    heartbeat: dict[str, int]  # empty when the replica's heartbeat has expired
+    heartbeat: dict[str, int] = field(default_factory=dict)  # filled by the router's load table
 
 
 @dataclass
@@ -52,24 +63,73 @@ def redact(url: str) -> str:
 
 
 def connect(url: str, timeout_s: float) -> aioredis.Redis:
+    """A plain client for one node (enough for PING, or for a standalone Redis)."""
     return aioredis.Redis.from_url(
         url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
     )
 
 
+async def open_client(url: str, timeout_s: float) -> Client:
+    """The right client for whatever the URL names: a standalone Redis, or any node of a
+    Redis Cluster (detected with INFO cluster, so one URL format serves both)."""
+    probe = connect(url, timeout_s)
+    try:
+        info = await probe.info("cluster")
+    except Exception:
+        await probe.aclose()
+        raise
+    if not int(info.get("cluster_enabled", 0)):
+        return probe
+    await probe.aclose()
+    parts = urlsplit(url)
+    cluster_url = urlunsplit(parts._replace(path=""))  # a cluster has only database 0
+    client = RedisCluster.from_url(
+        cluster_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
+    )
+    await client.initialize()
+    return client
+
+
+def is_cluster(client: Client) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+def group_by_tag(keys: RedisKeys, hashes: list[int], cluster: bool) -> list[list[tuple[int, str]]]:
+    """(position, block key) groups that one script call may touch: everything at once on a
+    standalone Redis, one group per hash tag on a cluster. Chain order kept inside groups."""
+    if not cluster:
+        return [[(i, keys.block(h)) for i, h in enumerate(hashes)]] if hashes else []
+    groups: dict[int, list[tuple[int, str]]] = {}
+    for i, h in enumerate(hashes):
+        groups.setdefault(keys.bucket(h), []).append((i, keys.block(h)))
+    return list(groups.values())
+
+
 class RedisIndex:
     def __init__(self, config: RedisConfig) -> None:
         self.config = config
-        self.keys = RedisKeys(config.key_prefix)
-        self._client: aioredis.Redis | None = None
-        self._lookup = None
+        self.keys = RedisKeys(config.key_prefix, config.buckets)
+        self._client: Client | None = None
+        self._sha: str | None = None
+        self._connecting: asyncio.Lock | None = None
         self._down_until = 0.0
         self.failures = 0
+        self.lookups = 0  # Redis lookups issued (the saturation test counts them)
 
-    def _ensure(self) -> None:
+    @property
+    def client(self) -> Client | None:
+        return self._client
+
+    async def _open(self) -> Client:
         if self._client is None:  # created lazily inside the router's own event loop
-            self._client = connect(self.config.url, max(self.config.timeout_s, 0.5))
-            self._lookup = self._client.register_script(LOOKUP_SCRIPT)
+            if self._connecting is None:
+                self._connecting = asyncio.Lock()
+            async with self._connecting:
+                if self._client is None:
+                    client = await open_client(self.config.url, max(self.config.timeout_s, 0.5))
+                    self._sha = await client.script_load(LOOKUP_SCRIPT)
+                    self._client = client
+        return self._client
 
     async def _guard(self, coro):
         if time.monotonic() < self._down_until:
@@ -80,28 +140,79 @@ class RedisIndex:
         except (TimeoutError, OSError, aioredis.RedisError) as e:
             self.failures += 1
             self._down_until = time.monotonic() + self.config.cooldown_s
+            if isinstance(e, (OSError, aioredis.ConnectionError)):
+                self._drop_client()  # reconnect (and re-detect the topology) next time
             raise IndexUnavailable(f"redis unavailable: {e!r}") from e
 
-    async def lookup(self, hashes: list[int], replica_ids: list[str], session_id: str | None) -> Lookup:
-        self._ensure()
-        session_key = self.keys.session(session_id) if session_id else ""
-        args = [self.config.key_prefix, session_key, len(replica_ids), *replica_ids, *hashes]
-        raw = await self._guard(self._lookup(args=args))
-        result = Lookup(session_replica=raw[0] or None)
-        for rid, matched, hb in raw[1:]:
-            fields = {k: int(v or 0) for k, v in zip(HEARTBEAT_FIELDS, hb, strict=True)} if hb else {}
-            result.replicas[rid] = ReplicaEntry(int(matched), fields)
-        return result
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            task = asyncio.get_running_loop().create_task(_close_quietly(client))
+            task.add_done_callback(lambda _: None)
+
+    async def _open_guarded(self) -> Client:
+        if self._client is not None:
+            return self._client
+        return await self._guard(self._open())
+
+    async def lookup(
+        self, hashes: list[int], replica_ids: list[str] | None = None, session_id: str | None = None
+    ) -> Lookup:
+        """Leading-block match of every replica seen holding this prompt's blocks (sampled),
+        and the session's last replica. With `replica_ids`, exactly those replicas are
+        reported (0 for the ones not seen)."""
+        self.lookups += 1
+        client = await self._open_guarded()
+        try:
+            raw, session_replica = await self._guard(self._query(client, hashes, session_id))
+        except IndexUnavailable as e:
+            if not isinstance(e.__cause__, NoScriptError):
+                raise
+            self._down_until = 0.0  # Redis restarted and lost the script: load it again, retry
+            self._sha = await self._guard(client.script_load(LOOKUP_SCRIPT))
+            raw, session_replica = await self._guard(self._query(client, hashes, session_id))
+        matched: dict[str, int] = {}
+        for pos in range(len(hashes)):  # walk the chain; holders seen at depth d match d blocks
+            holders = raw.get(pos)
+            if not holders:
+                break
+            for rid in holders:
+                matched[rid] = pos + 1
+        if replica_ids is not None:
+            matched = {rid: matched.get(rid, 0) for rid in replica_ids}
+        return Lookup(session_replica, {rid: ReplicaEntry(n) for rid, n in matched.items()})
+
+    async def _query(self, client: Client, hashes: list[int], session_id: str | None):
+        groups = group_by_tag(self.keys, hashes, is_cluster(client))
+        pipe = client.pipeline(transaction=False)
+        for group in groups:
+            pipe.execute_command("EVALSHA", self._sha, len(group), *(k for _, k in group), self.config.sample)
+        if session_id:
+            pipe.get(self.keys.session(session_id))
+        results = await pipe.execute(raise_on_error=False)
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        by_pos: dict[int, list[str]] = {}
+        for group, answer in zip(groups, results, strict=False):
+            for (pos, _), holders in zip(group, answer, strict=False):
+                by_pos[pos] = holders
+        session_replica = results[-1] if session_id else None
+        return by_pos, session_replica or None
 
     async def remember_session(self, session_id: str, replica_id: str) -> None:
-        self._ensure()
+        client = await self._open_guarded()
         ttl_ms = int(self.config.session_ttl_s * 1000)
-        await self._guard(self._client.set(self.keys.session(session_id), replica_id, px=ttl_ms))
+        await self._guard(client.set(self.keys.session(session_id), replica_id, px=ttl_ms))
 
     async def close(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
-            try:
-                await asyncio.wait_for(client.aclose(), 1.0)
-            except Exception:
-                pass
+            await _close_quietly(client)
+
+
+async def _close_quietly(client: Client) -> None:
+    try:
+        await asyncio.wait_for(client.aclose(), 1.0)
+    except Exception:
+        pass

@@ -92,3 +92,20 @@ def stack(redis_server):
     s = LocalStack(config, port=free_port()).start()
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real 3-master Redis Cluster on loopback ports, for the whole test session."""
+    from tests.redis_cluster import LocalRedisCluster
+
+    cluster = LocalRedisCluster().start()
+    yield cluster
+    cluster.cleanup()
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def redis_url(request) -> str:
+    """The index tests run against both: a standalone redis-server and a 3-master cluster."""
+    server = request.getfixturevalue("redis_server" if request.param == "standalone" else "redis_cluster")
+    return server.url

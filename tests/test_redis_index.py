@@ -1,4 +1,5 @@
-"""The shared index against a real redis-server: publish, lookup, eviction, death, resync."""
+"""The shared index against a real redis-server and a real 3-master Redis Cluster: publish,
+lookup, eviction, death and fleet-wide garbage collection, resync."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import redis
 
 from replica.block_manager import BlockManager, BlockTable
 from replica.publisher import BlockPublisher, PublisherConfig
+from router.load_table import LoadTable
 from router.protocol.hashing import block_hashes
+from router.protocol.redis_schema import RedisKeys
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
 BS = 4
@@ -48,6 +51,16 @@ class FakeReplica:
         return t.hashes
 
 
+def sync_client(url: str):
+    """A blocking client for direct checks: cluster-aware when the URL names a cluster node."""
+    plain = redis.Redis.from_url(url)
+    if plain.info("cluster").get("cluster_enabled"):
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(url.rsplit("/", 1)[0])
+    return plain
+
+
 async def eventually(check, timeout=5.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -67,14 +80,14 @@ def prefix():
     return f"t{uuid.uuid4().hex[:8]}"
 
 
-def test_publish_lookup_evict_and_isolation(redis_server, prefix):
+def test_publish_lookup_evict_and_isolation(redis_url, prefix):
     async def scenario():
-        a = FakeReplica(redis_server.url, prefix, "ra", num_blocks=6)
-        b = FakeReplica(redis_server.url, prefix, "rb")
+        a = FakeReplica(redis_url, prefix, "ra", num_blocks=6)
+        b = FakeReplica(redis_url, prefix, "rb")
         a.publisher.start()
         b.publisher.start()
-        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.5))
-        other = RedisIndex(RedisConfig(redis_server.url, prefix + "x", timeout_s=0.5))
+        index = RedisIndex(RedisConfig(redis_url, prefix, timeout_s=0.5))
+        other = RedisIndex(RedisConfig(redis_url, prefix + "x", timeout_s=0.5))
         try:
             sys_prompt = list(range(100, 112))  # 3 blocks
             hashes = a.run(sys_prompt + [1, 2, 3, 4, 5])  # 4 full blocks cached on ra
@@ -85,8 +98,14 @@ def test_publish_lookup_evict_and_isolation(redis_server, prefix):
                 return look if look.replicas["ra"].matched_blocks == 4 and look.replicas["rb"].matched_blocks == 1 else None
 
             look = await eventually(matched)
-            assert look.replicas["rc"].matched_blocks == 0 and look.replicas["rc"].heartbeat == {}
-            assert look.replicas["ra"].heartbeat["capacity_blocks"] == 6
+            assert look.replicas["rc"].matched_blocks == 0
+            assert set((await index.lookup(hashes)).replicas) == {"ra", "rb"}  # only holders come back
+            loads = LoadTable(index)
+            loads.watch(["ra", "rb", "rc"])
+            await loads.refresh()
+            assert loads.get("ra")["capacity_blocks"] == 6 and loads.get("rb")["capacity_blocks"] == 16
+            assert loads.get("rc") is None  # no heartbeat: unknown, not idle
+            await loads.close()
             # another key prefix sees nothing of this deployment
             assert (await other.lookup(hashes, ["ra", "rb"], None)).replicas["ra"].matched_blocks == 0
 
@@ -108,17 +127,17 @@ def test_publish_lookup_evict_and_isolation(redis_server, prefix):
     asyncio.run(scenario())
 
 
-def test_depth_limits_what_is_published(redis_server, prefix):
+def test_depth_limits_what_is_published(redis_url, prefix):
     async def scenario():
-        a = FakeReplica(redis_server.url, prefix, "ra", depth=2)
+        a = FakeReplica(redis_url, prefix, "ra", depth=2)
         a.publisher.start()
-        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.5))
+        index = RedisIndex(RedisConfig(redis_url, prefix, timeout_s=0.5))
         try:
             hashes = a.run(list(range(20)))
             await eventually(lambda: _matched(index, hashes, "ra", 2))
             await asyncio.sleep(0.2)
-            client = redis.Redis.from_url(redis_server.url)
-            assert client.scard(f"{prefix}:blocks:ra") == 2
+            client = sync_client(redis_url)
+            assert client.scard(RedisKeys(prefix).blocks("ra")) == 2
         finally:
             await a.publisher.stop()
             await index.close()
@@ -130,25 +149,30 @@ async def _matched(index, hashes, rid, n):
     return (await index.lookup(hashes, [rid], None)).replicas[rid].matched_blocks == n
 
 
-def test_dead_replica_stops_counting_and_is_collected(redis_server, prefix):
+def test_dead_replica_is_collected_within_seconds(redis_url, prefix):
+    """A crashed replica's entries go once its heartbeat expires, removed by exactly one of
+    the live replicas (the holder of the fleet's garbage-collection lease)."""
+    keys = RedisKeys(prefix)
+
     async def scenario():
-        dead = FakeReplica(redis_server.url, prefix, "dead", ttl=0.5)
-        live = FakeReplica(redis_server.url, prefix, "live")
-        dead.publisher.start()
-        live.publisher.start()
-        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.5))
-        client = redis.Redis.from_url(redis_server.url)
+        dead = FakeReplica(redis_url, prefix, "dead", ttl=0.5)
+        live = [FakeReplica(redis_url, prefix, f"live{i}") for i in range(3)]
+        for r in (dead, *live):
+            r.publisher.start()
+        index = RedisIndex(RedisConfig(redis_url, prefix, timeout_s=0.5))
+        client = sync_client(redis_url)
         try:
             hashes = dead.run(list(range(16)))
             await eventually(lambda: _matched(index, hashes, "dead", 4))
             await dead.publisher.stop(unregister=False)  # a crash: nothing cleaned up by the replica
-            start = time.monotonic()
             await eventually(lambda: _matched(index, hashes, "dead", 0), timeout=5)
-            assert time.monotonic() - start < 2.0
-            await eventually(_async(lambda: not client.exists(f"{prefix}:blocks:dead")), timeout=5)
-            assert b"dead" not in client.smembers(f"{prefix}:replicas")
+            await eventually(_async(lambda: not client.exists(keys.blocks("dead"))), timeout=5)
+            assert b"dead" not in client.smembers(keys.replicas)
+            assert not any(client.sismember(keys.block(h), "dead") for h in hashes)
+            assert sum(r.publisher.stats.collected for r in live) == 1
         finally:
-            await live.publisher.stop()
+            for r in live:
+                await r.publisher.stop()
             await index.close()
 
     asyncio.run(scenario())
@@ -161,18 +185,24 @@ def _async(fn):
     return check
 
 
-def test_restart_clears_earlier_incarnation(redis_server, prefix):
-    client = redis.Redis.from_url(redis_server.url)
-    client.sadd(f"{prefix}:blocks:ra", 111, 222)  # left by an earlier process with the same id
+def test_restart_clears_earlier_incarnation(redis_url, prefix):
+    keys = RedisKeys(prefix)
+    client = sync_client(redis_url)
+    client.sadd(keys.blocks("ra"), 111, 222)  # left by an earlier process with the same id
+    client.sadd(keys.block(111), "ra")
 
     async def scenario():
-        a = FakeReplica(redis_server.url, prefix, "ra")
+        a = FakeReplica(redis_url, prefix, "ra")
         a.publisher.start()
         try:
             hashes = a.run(list(range(8)))
-            await eventually(_async(lambda: client.smembers(f"{prefix}:blocks:ra") == {str(h).encode() for h in hashes}))
+            await eventually(_async(lambda: client.smembers(keys.blocks("ra")) == {str(h).encode() for h in hashes}))
+            assert not client.sismember(keys.block(111), "ra")
+            assert all(client.sismember(keys.block(h), "ra") for h in hashes)
         finally:
             await a.publisher.stop()
+        assert not client.exists(keys.blocks("ra"))  # a clean stop retracts everything
+        assert not any(client.exists(keys.block(h)) for h in hashes)
 
     asyncio.run(scenario())
 

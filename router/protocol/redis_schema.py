@@ -1,77 +1,95 @@
-"""Where everything lives in Redis. One prefix per deployment, so several can share a Redis.
+"""Where everything lives in Redis, and the one script the router runs. One prefix per
+deployment, so several deployments can share a Redis (standalone or Cluster).
 
-  {p}:replicas         SET   replica ids that have registered (for garbage collection)
-  {p}:hb:{rid}         HASH  load of a live replica (running, waiting, pending_prefill_tokens,
-                             free_blocks, cached_blocks, capacity_blocks); short TTL
-  {p}:blocks:{rid}     SET   block hashes (decimal) the replica holds, up to the publish depth
-  {p}:session:{sid}    STR   replica that served the session's last turn; sliding TTL
+  {p:bK}:blk:{hash}     SET   replica ids holding this block (the inverted index). K = hash mod
+                              `buckets`: the hash tag spreads blocks over the cluster's slots
+  {p}:blocks:{rid}      SET   block hashes (decimal) one replica holds: resync and clean-up
+  {p}:hb:{rid}          HASH  load of a live replica (HEARTBEAT_FIELDS); short TTL
+  {p}:replicas          SET   replica ids that have registered (for garbage collection)
+  {p}:gc-lease          STR   holder of this period's garbage collection (SET NX PX)
+  {p}:session:{sid}     STR   replica that served the session's last turn; sliding TTL
 
+Every key a script touches is passed in KEYS; the lookup script only ever receives block keys
+of one hash tag at a time on a cluster (all of them at once on a standalone Redis).
 Only hashes, replica ids and counters are stored: never prompt text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class Heartbeat:
+    """A replica's load, as written in its heartbeat hash (every field an integer)."""
+
+    running: int = 0
+    waiting: int = 0
+    pending_prefill_tokens: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    capacity_blocks: int = 0
+
+
+# Defined once, by the dataclass: the publisher writes these, the load table reads them.
+HEARTBEAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Heartbeat))
+
+
+def parse_heartbeat(values: list) -> dict[str, int] | None:
+    """HMGET answer (in HEARTBEAT_FIELDS order) -> load dict; None when the hash is gone."""
+    if values is None or all(v is None for v in values):
+        return None
+    return {k: int(v or 0) for k, v in zip(HEARTBEAT_FIELDS, values, strict=True)}
 
 
 @dataclass(frozen=True)
 class RedisKeys:
     prefix: str = "prefixgate"
+    buckets: int = 16  # hash tags the inverted index is spread over
+
+    def __post_init__(self) -> None:
+        if "{" in self.prefix or "}" in self.prefix:
+            raise ValueError(f"key prefix {self.prefix!r} must not contain braces (Redis Cluster hash tags)")
+        if self.buckets < 1:
+            raise ValueError("buckets must be >= 1")
+
+    def bucket(self, block_hash: int) -> int:
+        return block_hash % self.buckets
+
+    def block(self, block_hash: int) -> str:
+        """Inverted-index key of one block: which replicas hold it."""
+        return f"{{{self.prefix}:b{block_hash % self.buckets}}}:blk:{block_hash}"
 
     @property
     def replicas(self) -> str:
         return f"{self.prefix}:replicas"
 
+    @property
+    def gc_lease(self) -> str:
+        return f"{self.prefix}:gc-lease"
+
     def heartbeat(self, replica_id: str) -> str:
         return f"{self.prefix}:hb:{replica_id}"
 
     def blocks(self, replica_id: str) -> str:
+        """Per-replica set of the hashes it holds (what to retract when it dies)."""
         return f"{self.prefix}:blocks:{replica_id}"
 
     def session(self, session_id: str) -> str:
         return f"{self.prefix}:session:{session_id}"
 
 
-# Drop the index entries of replicas whose heartbeat expired. ARGV[1] = key prefix.
-GC_SCRIPT = """
-local prefix = ARGV[1]
-local removed = 0
-for _, rid in ipairs(redis.call('SMEMBERS', prefix .. ':replicas')) do
-  if redis.call('EXISTS', prefix .. ':hb:' .. rid) == 0 then
-    redis.call('DEL', prefix .. ':blocks:' .. rid)
-    redis.call('SREM', prefix .. ':replicas', rid)
-    removed = removed + 1
-  end
-end
-return removed
-"""
-
-HEARTBEAT_FIELDS = ("running", "waiting", "pending_prefill_tokens", "free_blocks", "cached_blocks", "capacity_blocks")
-
-# One round trip per routing decision. ARGV = prefix, session key or "", number of replicas,
-# replica ids..., block hashes... Returns {session_replica or false, {rid, matched, load}...}:
-# for each replica the count of leading blocks it holds and its HEARTBEAT_FIELDS in order
-# (an empty list when its heartbeat expired: a dead replica's blocks never count).
+# One call per hash tag (per shard group) and decision. KEYS = block keys in chain order,
+# ARGV[1] = how many holders to sample per block. Returns one list of holders per key, up to
+# the first block nobody holds: blocks past a gap cannot be hit (the chain is broken there).
+# SRANDMEMBER with a small positive count costs O(count), whatever the number of holders.
 LOOKUP_SCRIPT = """
-local prefix = ARGV[1]
-local session = false
-if ARGV[2] ~= '' then session = redis.call('GET', ARGV[2]) end
-local n = tonumber(ARGV[3])
-local first_hash = 4 + n
-local out = {session}
-for i = 1, n do
-  local rid = ARGV[3 + i]
-  local hb = {}
-  local matched = 0
-  if redis.call('EXISTS', prefix .. ':hb:' .. rid) == 1 then
-    hb = redis.call('HMGET', prefix .. ':hb:' .. rid, 'running', 'waiting', 'pending_prefill_tokens',
-                    'free_blocks', 'cached_blocks', 'capacity_blocks')
-    local key = prefix .. ':blocks:' .. rid
-    for j = first_hash, #ARGV do
-      if redis.call('SISMEMBER', key, ARGV[j]) == 1 then matched = matched + 1 else break end
-    end
-  end
-  out[#out + 1] = {rid, matched, hb}
+local k = tonumber(ARGV[1])
+local out = {}
+for i = 1, #KEYS do
+  local m = redis.call('SRANDMEMBER', KEYS[i], k)
+  if #m == 0 then break end
+  out[i] = m
 end
 return out
 """

@@ -1,0 +1,104 @@
+"""A router-local copy of the replicas' heartbeats, refreshed in the background.
+
+A routing decision reads load from here instead of from Redis, so its cost does not depend
+on the fleet's size; the table costs one pipelined HMGET per replica every `refresh_s`, per
+router. A replica whose heartbeat is missing (expired, never written, not read yet) has
+*unknown* load: `get` returns None and the router must not treat it as idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Iterable
+
+from router.protocol.redis_schema import HEARTBEAT_FIELDS, parse_heartbeat
+from router.redis_index import IndexUnavailable, RedisIndex
+
+log = logging.getLogger("prefixgate.router")
+
+
+class LoadTable:
+    def __init__(self, index: RedisIndex, refresh_s: float = 0.1, max_age_s: float = 3.0, seed: int | None = None) -> None:
+        self.index = index
+        self.refresh_s = refresh_s
+        self.max_age_s = max_age_s  # a table not refreshed for this long (Redis away) knows nothing
+        self.rng = random.Random(seed)
+        self._watched: list[str] = []
+        self._loads: dict[str, dict[str, int]] = {}
+        self._task: asyncio.Task | None = None
+        self.refreshes = 0
+        self.updated_at = 0.0
+
+    def watch(self, replica_ids: Iterable[str]) -> None:
+        """The replicas to keep fresh (the router's current candidates)."""
+        ids = list(replica_ids)
+        if ids != self._watched:
+            self._watched = ids
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def get(self, replica_id: str) -> dict[str, int] | None:
+        if time.monotonic() - self.updated_at > self.max_age_s:
+            return None
+        return self._loads.get(replica_id)
+
+    def sample(self, replica_ids: list[str], k: int, exclude: set[str]) -> list[str]:
+        """Up to k random replicas not in `exclude`: the ones scored for load alone."""
+        if k <= 0:
+            return []
+        picks: list[str] = []
+        for _ in range(min(len(replica_ids), 4 * k)):  # bounded: never scans the fleet
+            rid = replica_ids[self.rng.randrange(len(replica_ids))]
+            if rid not in exclude and rid not in picks:
+                picks.append(rid)
+                if len(picks) == k:
+                    break
+        return picks
+
+    def pessimistic(self) -> dict[str, int]:
+        """Load to assume for a replica whose heartbeat is missing: as busy as the busiest known
+        one, plus a queued request (a stalled replica must never look cheapest)."""
+        loads = self._loads.values()
+        if not loads:
+            return {"running": 0, "waiting": 1, "pending_prefill_tokens": 0}
+        return {
+            "running": max(v.get("running", 0) for v in loads),
+            "waiting": max(v.get("waiting", 0) for v in loads) + 1,
+            "pending_prefill_tokens": max(v.get("pending_prefill_tokens", 0) for v in loads),
+        }
+
+    async def refresh(self) -> None:
+        ids = list(self._watched)
+        if not ids:
+            return
+        client = await self.index._open_guarded()
+        pipe = client.pipeline(transaction=False)
+        for rid in ids:
+            pipe.hmget(self.index.keys.heartbeat(rid), list(HEARTBEAT_FIELDS))
+        answers = await asyncio.wait_for(pipe.execute(), max(self.index.config.timeout_s * 10, 0.5))
+        loads = {}
+        for rid, values in zip(ids, answers, strict=True):
+            parsed = parse_heartbeat(values)
+            if parsed is not None:
+                loads[rid] = parsed
+        self._loads = loads
+        self.refreshes += 1
+        self.updated_at = time.monotonic()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except (IndexUnavailable, Exception) as e:  # keep the last table; unknown stays unknown
+                log.debug("load table refresh failed: %r", e)
+            await asyncio.sleep(self.refresh_s)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=1.0)
