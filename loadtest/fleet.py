@@ -15,6 +15,7 @@ import math
 import re
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ class FleetSpec:
     load_scale: str = "auto"  # auto: replicas / 8, the simulator's default
     wall_scale: float = 1.0
     gateways: int = 1
-    max_model_len: int = 8192
+    max_model_len: int = 4096
     seed: int = 0
     service: ServiceModel = field(default_factory=ServiceModel)
 
@@ -126,17 +127,18 @@ def worst_step_lag(heartbeats: list[dict[str, str]]) -> float | None:
 
 # ---- the runs ------------------------------------------------------------------------------------
 def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key_prefix: str):
-    """The Serve app of one live run: sim replicas with the trace's service model converted to
-    the block size and sped up by the wall scale."""
+    """The Serve app of one live run: sim replicas running the trace's service model converted
+    to the block size (the engine's step budget is its prefill chunk), sped up by the wall scale."""
     from gateway.config import AppConfig
 
-    service = scale_service(spec.service, spec.block_size, spec.wall_scale)
+    service = scale_service(spec.service, spec.block_size)
+    overrides = {k: v for k, v in dataclasses.asdict(service).items() if k not in ("chunk_tokens", "max_running")}
     return AppConfig(
-        engine="sim", sim_service=dataclasses.asdict(service), replicas=s.replicas, policy=policy,
+        engine="sim", sim_service=overrides, time_scale=spec.wall_scale, replicas=s.replicas, policy=policy,
         redis_url=redis_url, key_prefix=key_prefix, block_size=spec.block_size, num_blocks=s.capacity_blocks,
-        max_model_len=spec.max_model_len, max_num_seqs=spec.service.max_running,
+        max_model_len=spec.max_model_len, max_num_seqs=service.max_running,
         max_num_batched_tokens=service.chunk_tokens, seed=spec.seed, gateways=spec.gateways,
-        default_max_tokens=spec.max_output, max_ongoing_requests=spec.service.max_running,
+        default_max_tokens=spec.max_output, max_ongoing_requests=service.max_running,
         max_queued_requests=100_000,
     )
 
@@ -154,9 +156,31 @@ def live_run(url: str, spec: FleetSpec, s: RunSettings, policy: str, requests: l
     return result
 
 
+def run_one(stack, spec: FleetSpec, s: RunSettings, policy: str, requests: list[SimRequest],
+            name: str | None = None, route_prefix: str = "/") -> FleetResult:
+    """One live run on cold replicas: the app `name` is (re)deployed with a fresh Redis key
+    prefix, so neither replica caches nor the index remember an earlier run."""
+    from ray import serve
+
+    from gateway.stack import APP_NAME
+
+    name = name or APP_NAME
+    prefix = f"fleet-{uuid.uuid4().hex[:8]}-{s.replicas}-{policy}"
+    config = app_config(spec, s, policy, stack.config.redis_url, prefix)
+    t0 = time.time()
+    if name in serve.status().applications:
+        serve.delete(name)
+    url = stack.deploy(config, name=name, route_prefix=route_prefix)
+    print(f"[fleet] {s.replicas} sim replicas ({policy}) ready in {time.time() - t0:.0f}s", file=sys.stderr)
+    return live_run(url, spec, s, policy, requests, stack.config.redis_url, prefix)
+
+
 def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], None] | None = None,
-              ray_address: str | None = None) -> list[tuple[FleetResult, FleetResult]]:
+              ray_address: str | None = None, redis_url: str = "auto") -> list[tuple[FleetResult, FleetResult]]:
     """Every (replica count, policy) live and simulated; fresh replicas for each live run."""
+    from gateway.local_redis import free_port
+    from gateway.stack import LocalStack
+
     requests = workload(spec)
     pairs: list[tuple[FleetResult, FleetResult]] = []
     stack = None
@@ -167,9 +191,13 @@ def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], Non
                 print(f"[fleet] {dropped} of {len(requests)} rows do not fit {s.capacity_blocks} blocks: "
                       "dropped from both live and simulated runs", file=sys.stderr)
             for policy in spec.policies:
+                if stack is None:  # Ray, Serve and Redis once; the first run's app replaced like the rest
+                    t0 = time.time()
+                    stack = LocalStack(app_config(spec, s, policy, redis_url, "fleet-boot"), port=free_port(),
+                                       ray_address=ray_address).start()
+                    print(f"[fleet] stack up with {n} sim replicas in {time.time() - t0:.0f}s", file=sys.stderr)
+                live = run_one(stack, spec, s, policy, kept)
                 sim = sim_result(policy, kept, s, spec.service)
-                stack, url, prefix = _deploy(stack, spec, s, policy, ray_address)
-                live = live_run(url, spec, s, policy, kept, stack.config.redis_url, prefix)
                 pairs.append((live, sim))
                 if on_pair:
                     on_pair(live, sim)
@@ -177,28 +205,6 @@ def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], Non
         if stack is not None:
             stack.stop()
     return pairs
-
-
-def _deploy(stack, spec: FleetSpec, s: RunSettings, policy: str, ray_address: str | None):
-    """Starts the stack on first use, else replaces the app: every run starts from cold replicas."""
-    from gateway.local_redis import free_port
-    from gateway.stack import APP_NAME, LocalStack
-
-    prefix = f"fleet-{time.strftime('%H%M%S')}-{s.replicas}-{policy}"
-    if stack is None:
-        config = app_config(spec, s, policy, "auto", prefix)
-        stack = LocalStack(config, port=free_port(), ray_address=ray_address)
-        t0 = time.time()
-        stack.start()
-        print(f"[fleet] stack up with {s.replicas} sim replicas in {time.time() - t0:.0f}s", file=sys.stderr)
-    else:
-        from ray import serve
-
-        serve.delete(APP_NAME)
-        t0 = time.time()
-        stack.deploy(app_config(spec, s, policy, stack.config.redis_url, prefix))
-        print(f"[fleet] {s.replicas} sim replicas ({policy}) deployed in {time.time() - t0:.0f}s", file=sys.stderr)
-    return stack, stack.url, prefix
 
 
 def save_json(pairs: list[tuple[FleetResult, FleetResult]], spec: FleetSpec, path: Path) -> None:

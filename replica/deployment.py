@@ -105,7 +105,7 @@ class PrefixCacheReplica:
     def _load(self) -> dict[str, int]:
         s = self.engine.stats()  # a snapshot: answers at once even during a long step
         self.heartbeats.append((self.engine.steps_started, self.engine.steps_finished))
-        return {
+        load = {
             "running": s.running,
             "waiting": s.waiting,
             "pending_prefill_tokens": s.pending_prefill_tokens,
@@ -113,7 +113,12 @@ class PrefixCacheReplica:
             "cached_blocks": s.blocks_cached,
             "capacity_blocks": s.blocks_total,
             "pid": os.getpid(),  # lets operators (and the fault tests) find the process
+            "generated_tokens": s.generated_tokens,  # tests see whether an aborted request stopped
         }
+        lag = getattr(self.engine.engine, "lag", None)  # sim replica: the fleet harness reads every replica's
+        if lag is not None and lag.modelled_s > 0:
+            load["step_lag"] = round(lag.actual_s / lag.modelled_s - 1, 4)  # time-weighted, since start
+        return load
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         yield {"type": "start", "replica": self.replica_id, "route": request.route}
@@ -133,7 +138,10 @@ class PrefixCacheReplica:
             async for out in stream:
                 rec.output(out)
                 if out.new_token_ids or out.new_text:
-                    yield {"type": "delta", "token_ids": out.new_token_ids, "text": out.new_text}
+                    delta = {"type": "delta", "token_ids": out.new_token_ids, "text": out.new_text}
+                    if getattr(out, "logprobs", None):
+                        delta["logprobs"] = out.logprobs
+                    yield delta
                 if out.finished:
                     yield {
                         "type": "end",

@@ -128,3 +128,33 @@ def test_simulator_on_scaled_rows_sees_affinity_win():
     assert aff.hit_rate > rnd.hit_rate + 0.02
     assert aff.hit_vs_pooled >= 0.9
     assert not math.isnan(aff.ttft_p99_s)
+
+
+def test_live_fleet_matches_the_simulator(stack, capsys):
+    """CI short form: 300 Mooncake rows through 8 sim replicas over HTTP (real gateway, Ray Serve
+    router, Redis index, publisher), affinity then random on cold replicas, each beside the
+    simulator on the same rows. Twice the modelled speed in wall time keeps it near 45 s a run."""
+    from ray import serve
+
+    from loadtest.fleet import run_one
+
+    spec = FleetSpec(trace=str(TRACE), start=5250, requests=300, replicas=[8], capacity="0.08", wall_scale=2.0)
+    s, kept, _ = settings_for(spec, workload(spec), 8)
+    results = {}
+    try:
+        for policy in ("affinity", "random"):
+            live = run_one(stack, spec, s, policy, kept, name="fleet", route_prefix="/fleet")
+            results[policy] = (live, sim_result(policy, kept, s))
+    finally:
+        if "fleet" in serve.status().applications:
+            serve.delete("fleet")
+    with capsys.disabled():
+        print("\n" + format_side_by_side(list(results.values())))
+    (aff, aff_sim), (rnd, _) = results["affinity"], results["random"]
+    assert aff.errors == 0 and rnd.errors == 0, (aff.error_kinds, rnd.error_kinds)
+    assert aff.step_lag is not None  # every sim replica reports it through its heartbeat
+    assert abs(aff.hit_rate - aff_sim.hit_rate) <= 0.03, (aff.hit_rate, aff_sim.hit_rate)
+    assert aff.hit_vs_pooled >= 0.8
+    assert aff.hit_rate > rnd.hit_rate + 0.015
+    assert aff.reasons.get("prefix", 0) > 0
+    assert aff.decision_p50_s is not None
