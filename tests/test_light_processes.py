@@ -1,0 +1,126 @@
+"""The live stack with simulated-compute replicas and several gateways: real Ray Serve, real
+Redis, real HTTP, real routers and publishers; no model and no torch anywhere in it.
+
+8 sim replicas and 2 gateways (each with its own router). Beside the session's default stack
+when another test already started it, else on a Ray instance of its own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from gateway.config import AppConfig
+from gateway.procstats import proc_memory, serve_replica_pids
+from replica.default_model import DEFAULT_MODEL_NAME
+
+pytestmark = pytest.mark.slow
+APP = "simfleet"
+REPLICAS, GATEWAYS = 8, 2
+
+
+@pytest.fixture(scope="module")
+def fleet(request, redis_server):
+    import ray
+    from ray import serve
+
+    from gateway.local_redis import free_port
+    from gateway.stack import APP_NAME, LocalStack
+
+    config = AppConfig(
+        redis_url=redis_server.url, key_prefix=f"sim-{uuid.uuid4().hex[:6]}", replicas=REPLICAS,
+        gateways=GATEWAYS, engine="sim", num_blocks=256, block_size=16, default_max_tokens=8,
+        max_model_len=4096,
+    )
+    if ray.is_initialized():  # the session's stack is up: deploy beside it
+        stack = request.getfixturevalue("stack")
+        url = stack.deploy(config, name=APP, route_prefix=f"/{APP}")
+        yield url, APP
+        serve.delete(APP)
+    else:
+        stack = LocalStack(config, port=free_port()).start()
+        yield stack.url, APP_NAME
+        stack.stop()
+
+
+def chat(url: str, messages: list[dict], session: str | None = None) -> httpx.Response:
+    headers = {"x-session-id": session} if session else {}
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers=headers,
+                   json={"model": DEFAULT_MODEL_NAME, "messages": messages, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def complete_ids(url: str, prompt: list[int]) -> httpx.Response:
+    r = httpx.post(f"{url}/v1/completions", timeout=60,
+                   json={"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def cached(r: httpx.Response) -> int:
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_chat_sessions_hit_their_cache(fleet):
+    url, _ = fleet
+    # one session id per conversation, the same on every turn
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: _conversation(url, i), range(12)))
+    replicas = set()
+    for turns in results:
+        assert turns[0][0] == 0  # a fresh system prompt: nothing cached anywhere
+        for hit, route, replica in turns[1:]:
+            assert hit > 0 and route == "session" and replica == turns[0][2]
+        replicas.update(r for _, _, r in turns)
+    assert len(replicas) >= 2  # the conversations spread over the fleet
+
+
+def _conversation(url: str, i: int) -> list[tuple[int, str, str]]:
+    session = f"conv-{i}-{uuid.uuid4().hex[:6]}"
+    history = [{"role": "system", "content": f"You are assistant {uuid.uuid4()} number {i}. " * 12}]
+    turns = []
+    for t in range(3):
+        history.append({"role": "user", "content": f"Turn {t}: what do you know about fleets of replicas?"})
+        r = chat(url, history, session=session)
+        history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        turns.append((cached(r), r.headers["x-prefixgate-route"], r.headers["x-prefixgate-replica"]))
+    return turns
+
+
+def test_token_id_prompts_route_by_prefix(fleet):
+    """No session id: a later prompt sharing a long prefix goes where that prefix is cached,
+    whichever gateway's router decides (the index in Redis is what they share)."""
+    url, _ = fleet
+    base = [int(x) for x in uuid.uuid4().int.to_bytes(16, "little")]
+    shared = [1000 + (7 * i + b) % 30000 for i, b in enumerate(base * 20)]  # 320 tokens, 20 blocks
+    first = complete_ids(url, [*shared, 11])
+    assert cached(first) == 0
+    home = first.headers["x-prefixgate-replica"]
+    # the first request's blocks reach Redis asynchronously: ask until a router has seen them
+    results = [complete_ids(url, [*shared, 12 + k]) for k in range(12)]
+    prefix_routed = [r for r in results if r.headers["x-prefixgate-route"] == "prefix"]
+    assert prefix_routed, [r.headers["x-prefixgate-route"] for r in results]
+    for r in prefix_routed:
+        assert cached(r) == 320 and r.headers["x-prefixgate-replica"] == home
+    assert results[-1].headers["x-prefixgate-route"] == "prefix"
+
+
+def test_no_process_loads_torch(fleet):
+    """Every sim replica and every gateway process: no torch mapped, and modest memory."""
+    from ray import serve
+
+    _, app = fleet
+    replicas = serve_replica_pids(app, "PrefixCacheReplica")
+    gateways = serve_replica_pids(app, "Gateway")
+    assert len(replicas) == REPLICAS and len(gateways) == GATEWAYS
+    for pid in replicas + gateways:
+        assert not proc_memory(pid).torch_loaded, proc_memory(pid)
+    handle = serve.get_deployment_handle("PrefixCacheReplica", app)
+    infos = [handle.info.remote().result(timeout_s=30) for _ in range(8)]
+    for info in infos:
+        assert info["engine"] == "sim" and info["torch_loaded"] is False and info["pid"] in replicas
+        assert info["pool_tokens"] == 256 * 16 and info["step_lag"]["steps"] >= 0
