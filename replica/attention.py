@@ -5,6 +5,11 @@ matmuls). transformers calls our attention function per layer; it writes the new
 the shared pool at `slot_mapping`, then attends each request's queries over that request's
 K/V gathered from the pool through its block table. Cached prefix blocks are read in place.
 
+Decode rows are grouped by context length (see DecodeGroup) so the K/V read per layer follows
+the real tokens; decode softmax runs in float32 also for bf16 pools. Models whose attention
+needs what is not implemented here (soft-capping, sinks, a sliding window shorter than the
+context) are refused at load time with UnsupportedModelError.
+
 Registered as the attention implementation "prefixgate_paged" (plus a mask function that
 builds nothing: masks come from the metadata below), so any transformers model that uses
 the attention interface (Llama, Qwen2, Qwen3, Mistral, ...) runs unmodified.
@@ -44,14 +49,29 @@ class PrefillSegment:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end) whose contexts have similar lengths, padded to the longest.
+
+    Decodes are sorted by context length and cut into groups whose padded size stays within
+    twice their real tokens, so the K/V gathered per layer follows the tokens that exist (32
+    short contexts next to 1 long one never pad the short ones to the long one's length).
+    """
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [b, M] block ids of each row's context
+    mask: torch.Tensor | None  # [b, 1, 1, M * block_size] True where a slot is valid; None: all
+
+
+@dataclass
 class AttentionMetadata:
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
     prefills: list[PrefillSegment] = field(default_factory=list)
     block_size: int = 16
     num_decodes: int = 0  # the first num_decodes rows are single-token decodes
-    decode_block_tables: torch.Tensor | None = None  # [B, M] block ids of each decode's context
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, M * block_size] True where a slot is valid
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    max_context: int = 0  # longest context in the step (checked against a sliding window)
 
 
 _metadata: AttentionMetadata | None = None
@@ -60,6 +80,40 @@ _metadata: AttentionMetadata | None = None
 def set_metadata(meta: AttentionMetadata | None) -> None:
     global _metadata
     _metadata = meta
+
+
+class UnsupportedModelError(ValueError):
+    """The model's attention needs something this engine does not implement."""
+
+
+def unsupported_features(model, max_model_len: int) -> list[str]:
+    """What in `model` our paged attention would silently get wrong (empty: it runs exactly).
+
+    Checked at load time: logit soft-capping (Gemma 2), attention sinks (`s_aux`, gpt-oss), and
+    a sliding window shorter than the context we serve (Mistral passes its window to every
+    layer; Qwen2/3 and others only to layers typed "sliding_attention").
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    problems: list[str] = []
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        problems.append(f"attention logit soft-capping ({config.attn_logit_softcapping})")
+    if any(hasattr(m, "sinks") for m in model.modules()):
+        problems.append("attention sinks (s_aux)")
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is not None and (layer_types is None or "sliding_attention" in layer_types) and window < max_model_len:
+        problems.append(
+            f"a sliding window of {window} tokens, shorter than the served context of {max_model_len}"
+            f" (serve it with max_model_len <= {window})"
+        )
+    return problems
+
+
+def check_supported(model, max_model_len: int) -> None:
+    problems = unsupported_features(model, max_model_len)
+    if problems:
+        name = getattr(model.config, "model_type", type(model).__name__)
+        raise UnsupportedModelError(f"model type {name!r} needs what this engine does not implement: {'; '.join(problems)}")
 
 
 def paged_attention_forward(
@@ -75,6 +129,7 @@ def paged_attention_forward(
     meta = _metadata
     if meta is None:
         raise RuntimeError("paged attention called outside the engine's forward pass")
+    _refuse_unimplemented(kwargs, meta)
     k_pool, v_pool = meta.pool.k[module.layer_idx], meta.pool.v[module.layer_idx]
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
     k_pool.index_copy_(0, meta.slot_mapping, k_new)
@@ -94,30 +149,60 @@ def paged_attention_forward(
             qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=True
         )
         out[seg.q_start : seg.q_end] = o[0].transpose(0, 1)
-    if meta.num_decodes:
-        out[: meta.num_decodes] = _decode_attention(q[:, : meta.num_decodes], k_pool, v_pool, meta, scaling)
+    for group in meta.decode_groups:
+        out[group.start : group.end] = _decode_attention(q[:, group.start : group.end], k_pool, v_pool, group,
+                                                         meta.block_size, scaling)
     return out.unsqueeze(0), None
 
 
-def _decode_attention(q: torch.Tensor, k_pool, v_pool, meta: AttentionMetadata, scaling: float | None) -> torch.Tensor:
-    """One query token per sequence over its paged context, for the whole batch at once.
+def _refuse_unimplemented(kwargs: dict, meta: AttentionMetadata) -> None:
+    """Never run a model wrong: features checked at load time, checked again per call."""
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"paged attention does not implement {name}")
+    window = kwargs.get("sliding_window")
+    if window is not None and meta.max_context > window:
+        raise UnsupportedModelError(f"context of {meta.max_context} tokens exceeds the sliding window of {window}")
+
+
+def _decode_attention(q: torch.Tensor, k_pool, v_pool, group: DecodeGroup, block_size: int,
+                      scaling: float | None) -> torch.Tensor:
+    """One query token per sequence over its paged context, for one group of rows at once.
 
     Whole blocks are gathered (a few large copies rather than one per token), and grouped-query
     heads are handled by reshaping the queries to [kv_heads, group] instead of expanding K/V.
-    q: [H, B, D] -> returns [B, H, D].
+    Scores, softmax and the weighted sum run in float32 whatever the pool's dtype (bf16 scores
+    would be rounded before the softmax). q: [H, b, D] -> returns [b, H, D].
     """
     h, b, d = q.shape
     kv_heads = k_pool.shape[1]
-    tables = meta.decode_block_tables.view(-1)
-    blocks_k = k_pool.view(-1, meta.block_size, kv_heads, d).index_select(0, tables)
-    blocks_v = v_pool.view(-1, meta.block_size, kv_heads, d).index_select(0, tables)
-    keys = blocks_k.view(b, -1, kv_heads, d).permute(0, 2, 3, 1)  # [B, KVH, D, L]
-    values = blocks_v.view(b, -1, kv_heads, d).transpose(1, 2)  # [B, KVH, L, D]
-    queries = q.transpose(0, 1).reshape(b, kv_heads, h // kv_heads, d)  # [B, KVH, G, D]
-    scores = torch.matmul(queries, keys).float() * (scaling if scaling is not None else d**-0.5)
-    scores.masked_fill_(~meta.decode_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).reshape(b, h, d)
+    tables = group.block_tables.view(-1)
+    blocks_k = k_pool.view(-1, block_size, kv_heads, d).index_select(0, tables)
+    blocks_v = v_pool.view(-1, block_size, kv_heads, d).index_select(0, tables)
+    keys = blocks_k.view(b, -1, kv_heads, d).permute(0, 2, 3, 1).float()  # [b, KVH, D, L]
+    values = blocks_v.view(b, -1, kv_heads, d).transpose(1, 2).float()  # [b, KVH, L, D]
+    queries = q.transpose(0, 1).reshape(b, kv_heads, h // kv_heads, d).float()  # [b, KVH, G, D]
+    scores = torch.matmul(queries, keys)
+    scores.mul_(scaling if scaling is not None else d**-0.5)
+    if group.mask is not None:
+        scores.masked_fill_(~group.mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values).reshape(b, h, d).to(q.dtype)
+
+
+def plan_decode_groups(lengths: list[int], slack: float = 2.0) -> list[tuple[int, int]]:
+    """Cut decode rows, sorted by ascending context length, into [start, end) groups whose
+    padded size (rows x longest) stays within `slack` x their real tokens."""
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start + 1) * n > slack * (total + n):
+            groups.append((start, i))
+            start, total = i, 0
+        total += n
+    if lengths:
+        groups.append((start, len(lengths)))
+    return groups
 
 
 def _no_mask(*args, **kwargs) -> None:

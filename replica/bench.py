@@ -389,6 +389,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-page-size", type=int, default=64,
                    help="generate_batch cache page size (transformers' default is 256)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--decode-memory", action="store_true",
+                   help="only measure decode-step peak memory: short rows next to a long one (replica/bench_memory.py)")
+    p.add_argument("--short-len", type=int, default=32, help="--decode-memory: short context length")
+    p.add_argument("--long-len", type=int, default=1024, help="--decode-memory: long context length")
+    p.add_argument("--num-short", type=int, default=32, help="--decode-memory: short sequences")
     return p.parse_args(argv)
 
 
@@ -396,6 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()  # weight-loading bars would interleave with the report
+    if args.decode_memory:
+        from replica import bench_memory
+
+        results = bench_memory.run(args.model, args.short_len, args.long_len, args.num_short)
+        bench_memory.report(results, say)
+        if args.json:
+            args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+        return 0
     t0 = time.perf_counter()
     engine = LLMEngine(model=args.model)
     say(f"model {engine.model_path.name} loaded in {time.perf_counter() - t0:.1f} s; "

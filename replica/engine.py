@@ -42,7 +42,8 @@ class LLMEngine:
         dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(device)
         shape = ModelRunner.read_shape(str(path))
         num_blocks = config.num_blocks or max(16, config.kv_cache_bytes // shape.bytes_per_block(config.block_size, dtype))
-        self.runner = ModelRunner(str(path), block_size=config.block_size, num_blocks=num_blocks, device=device, dtype=dtype)
+        self.runner = ModelRunner(str(path), block_size=config.block_size, num_blocks=num_blocks, device=device, dtype=dtype,
+                                  max_model_len=config.max_model_len)
         self.shape = self.runner.shape
         self.max_model_len = min(config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings)
         self.vocab_size = self.runner.model.get_input_embeddings().num_embeddings

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from replica import attention
-from replica.attention import AttentionMetadata, KVPool, PrefillSegment
+from replica.attention import AttentionMetadata, DecodeGroup, KVPool, PrefillSegment
 from replica.scheduler import ScheduledChunk
 
 
@@ -45,8 +45,11 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(
-        self, model_path: str, *, block_size: int, num_blocks: int, device: torch.device, dtype: torch.dtype
+        self, model_path: str, *, block_size: int, num_blocks: int, device: torch.device, dtype: torch.dtype,
+        max_model_len: int | None = None,
     ) -> None:
+        """Raises attention.UnsupportedModelError for a model our attention would run wrong
+        (checked for contexts up to max_model_len, default the model's own limit)."""
         attention.register()
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -54,6 +57,8 @@ class ModelRunner:
         ).to(device)
         self.model.eval()
         self.shape = ModelShape.from_config(self.model.config)
+        limit = self.shape.max_position_embeddings
+        attention.check_supported(self.model, min(max_model_len or limit, limit))
         self.pool = KVPool.allocate(
             self.shape.num_layers, num_blocks * block_size, self.shape.num_kv_heads, self.shape.head_dim, dtype, device
         )
@@ -62,60 +67,81 @@ class ModelRunner:
     def read_shape(model_path: str) -> ModelShape:
         return ModelShape.from_config(AutoConfig.from_pretrained(model_path))
 
-    def _slots(self, block_ids: list[int], length: int) -> torch.Tensor:
-        table = torch.tensor(block_ids, dtype=torch.long)
-        offsets = torch.arange(self.block_size, dtype=torch.long)
-        return (table[:, None] * self.block_size + offsets).view(-1)[:length]
+    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        """Pool slots of positions [start, end): only the blocks those positions touch."""
+        bs = self.block_size
+        slots: list[int] = []
+        for b in range(start // bs, -(-end // bs)):
+            base = block_ids[b] * bs
+            slots.extend(range(base + max(start - b * bs, 0), base + min(end - b * bs, bs)))
+        return slots
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the step's chunks into model inputs and attention metadata.
 
-        Single-token chunks (decodes) are laid out first and attended in one batched call;
-        longer chunks attend one request at a time. `chunks` is reordered in place to match.
+        Single-token chunks (decodes) are laid out first, sorted by context length and grouped
+        (attention.plan_decode_groups); longer chunks attend one request at a time. `chunks`
+        is reordered in place to match. Work per step follows the new tokens (slots are computed
+        for them only) plus one block id per decode's context block.
         """
-        decodes = [c for c in chunks if c.end - c.start == 1 and c.start > 0]
+        bs = self.block_size
+        decodes = sorted((c for c in chunks if c.end - c.start == 1 and c.start > 0), key=lambda c: c.end)
         prefills = [c for c in chunks if not (c.end - c.start == 1 and c.start > 0)]
         chunks[:] = decodes + prefills
         ids: list[int] = []
         positions: list[int] = []
-        slot_parts: list[torch.Tensor] = []
+        slot_mapping: list[int] = []
         sample_rows: list[int] = []
+        for c in decodes:
+            pos = c.start
+            ids.append(c.seq.token_ids[pos])
+            positions.append(pos)
+            slot_mapping.append(c.seq.table.block_ids[pos // bs] * bs + pos % bs)
+        sample_rows.extend(range(len(decodes)))  # a decode always reaches its last token
         segments: list[PrefillSegment] = []
-        max_blocks = max((len(c.seq.table.block_ids) for c in decodes), default=0)
-        decode_tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, c in enumerate(chunks):
+        for c in prefills:
             q_start = len(ids)
             ids += c.seq.token_ids[c.start : c.end]
             positions += range(c.start, c.end)
-            slots = self._slots(c.seq.table.block_ids, c.end)
-            slot_parts.append(slots[c.start :])
+            slot_mapping += self._slots(c.seq.table.block_ids, c.start, c.end)
             if c.samples:
                 sample_rows.append(len(ids) - 1)
-            if i < len(decodes):
-                table = c.seq.table.block_ids
-                decode_tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-            elif c.start == 0:
+            if c.start == 0:
                 segments.append(PrefillSegment(q_start, len(ids), None, None))
             else:
+                kv_slots = torch.tensor(self._slots(c.seq.table.block_ids, 0, c.end), dtype=torch.long)
                 q_pos = torch.arange(c.start, c.end)
                 mask = torch.arange(c.end)[None, :] <= q_pos[:, None]
-                segments.append(PrefillSegment(q_start, len(ids), slots.to(self.device), mask.to(self.device)))
+                segments.append(PrefillSegment(q_start, len(ids), kv_slots.to(self.device), mask.to(self.device)))
         meta = AttentionMetadata(
-            pool=self.pool, slot_mapping=torch.cat(slot_parts).to(self.device), prefills=segments,
-            block_size=self.block_size,
+            pool=self.pool, slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(self.device),
+            prefills=segments, block_size=bs, num_decodes=len(decodes),
+            max_context=max((c.end for c in chunks), default=0),
         )
-        if decodes:
-            lengths = torch.tensor([c.end for c in decodes])
-            valid = torch.arange(max_blocks * self.block_size)[None, :] < lengths[:, None]
-            meta.num_decodes = len(decodes)
-            meta.decode_block_tables = decode_tables.to(self.device)
-            meta.decode_mask = valid[:, None, None, :].to(self.device)
+        lengths = [c.end for c in decodes]
+        for start, end in attention.plan_decode_groups(lengths):
+            meta.decode_groups.append(self._decode_group(decodes, lengths, start, end))
         return (
             torch.tensor([ids], device=self.device),
             torch.tensor([positions], device=self.device),
             meta,
             torch.tensor(sample_rows, dtype=torch.long, device=self.device),
         )
+
+    def _decode_group(self, decodes: list[ScheduledChunk], lengths: list[int], start: int, end: int) -> DecodeGroup:
+        """Block tables (padded with block 0) and, if lengths differ, the valid-slot mask."""
+        bs = self.block_size
+        width = -(-lengths[end - 1] // bs)
+        rows = []
+        for c in decodes[start:end]:
+            table = c.seq.table.block_ids[:width]
+            rows.append(table + [0] * (width - len(table)))
+        tables = torch.tensor(rows, dtype=torch.long)
+        mask = None
+        if any(n != width * bs for n in lengths[start:end]):
+            valid = torch.arange(width * bs)[None, :] < torch.tensor(lengths[start:end])[:, None]
+            mask = valid[:, None, None, :].to(self.device)
+        return DecodeGroup(start, end, tables.to(self.device), mask)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""Paged attention: decode groups follow the real tokens, match dense attention in fp32 and
+bf16, and models needing unimplemented attention features are refused at load time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replica import attention
+from replica.attention import DecodeGroup, KVPool, UnsupportedModelError
+from replica.engine import LLMEngine, SamplingParams
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=80))
+def test_decode_groups_pad_at_most_twice_the_real_tokens(lengths):
+    lengths = sorted(lengths)
+    groups = attention.plan_decode_groups(lengths)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:], strict=False))
+    for start, end in groups:
+        real = sum(lengths[start:end])
+        assert (end - start) * lengths[end - 1] <= 2 * real or end - start == 1
+
+
+def test_short_rows_are_not_padded_to_a_long_one():
+    groups = attention.plan_decode_groups([40] * 32 + [4000])
+    assert groups == [(0, 32), (32, 33)]
+
+
+def _dense_reference(q, k_ctx, v_ctx, scale):
+    """q: [H, D]; k_ctx, v_ctx: [L, KVH, D] -> [H, D], float64 for a tight reference."""
+    h, kvh = q.shape[0], k_ctx.shape[1]
+    k = k_ctx.double().repeat_interleave(h // kvh, dim=1).transpose(0, 1)  # [H, L, D]
+    v = v_ctx.double().repeat_interleave(h // kvh, dim=1).transpose(0, 1)
+    probs = torch.softmax(torch.einsum("hd,hld->hl", q.double(), k) * scale, dim=-1)
+    return torch.einsum("hl,hld->hd", probs, v)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_grouped_decode_matches_dense_attention(dtype, tol):
+    torch.manual_seed(0)
+    bs, heads, kv_heads, d = 4, 8, 2, 16
+    lengths = [3, 5, 8, 9, 30, 64, 201]
+    blocks_each = [-(-n // bs) for n in lengths]
+    pool = KVPool.allocate(1, sum(blocks_each) * bs + bs, kv_heads, d, dtype, "cpu")
+    pool.k.normal_()
+    pool.v.normal_()
+    perm = torch.randperm(sum(blocks_each)).tolist()  # scattered blocks, as in a busy pool
+    tables, at = [], 0
+    for n in blocks_each:
+        tables.append(perm[at : at + n])
+        at += n
+    q = torch.randn(heads, len(lengths), d).to(dtype)
+    scale = d**-0.5
+    out = torch.empty(len(lengths), heads, d, dtype=dtype)
+    for start, end in attention.plan_decode_groups(lengths):
+        width = blocks_each[end - 1]
+        rows = [t + [0] * (width - len(t)) for t in tables[start:end]]
+        valid = torch.arange(width * bs)[None, :] < torch.tensor(lengths[start:end])[:, None]
+        group = DecodeGroup(start, end, torch.tensor(rows), valid[:, None, None, :])
+        out[start:end] = attention._decode_attention(q[:, start:end], pool.k[0], pool.v[0], group, bs, scale)
+    for i, n in enumerate(lengths):
+        slots = torch.tensor([b * bs + o for b in tables[i] for o in range(bs)][:n])
+        ref = _dense_reference(q[:, i], pool.k[0][slots], pool.v[0][slots], scale)
+        assert torch.allclose(out[i].double(), ref, atol=tol, rtol=tol), (i, (out[i].double() - ref).abs().max())
+
+
+def _save(config, tmp_path) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+_SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, head_dim=16)
+
+
+def test_softcapping_model_is_refused(tmp_path):
+    from transformers import Gemma2Config
+
+    path = _save(Gemma2Config(**_SMALL, attn_logit_softcapping=50.0), tmp_path)
+    with pytest.raises(UnsupportedModelError, match="soft-capping"):
+        LLMEngine(path, block_size=4, num_blocks=16)
+
+
+def test_attention_sinks_are_refused(tmp_path):
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(**_SMALL, num_local_experts=2, num_experts_per_tok=1, sliding_window=None,
+                          layer_types=["full_attention"])
+    path = _save(config, tmp_path)
+    with pytest.raises(UnsupportedModelError, match="sinks"):
+        LLMEngine(path, block_size=4, num_blocks=16)
+
+
+def test_sliding_window_shorter_than_the_context(tmp_path):
+    from transformers import MistralConfig
+
+    path = _save(MistralConfig(**_SMALL, sliding_window=64), tmp_path)
+    with pytest.raises(UnsupportedModelError, match="max_model_len <= 64"):
+        LLMEngine(path, block_size=4, num_blocks=16)
+    engine = LLMEngine(path, block_size=4, num_blocks=64, max_model_len=64)  # the window never binds
+    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert len(out.token_ids) == 20 and engine.max_model_len == 64
