@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 8
 MAX_STOP = 4
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
 
 
 class _Strict(BaseModel):
@@ -34,6 +35,32 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")  # true: any JSON
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+    def engine_format(self) -> dict[str, Any] | None:
+        """What the replica's constrained decoding takes (replica/constrained.py)."""
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.type == "json_schema":
+            return {"type": "json_schema", "schema": self.json_schema.schema_}
+        return None
+
+
 class _Sampling(_Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -46,9 +73,11 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: bool | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # vLLM's extension
+    response_format: ResponseFormat | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=256)  # routing session key
 
     @field_validator("stop")
     @classmethod
@@ -58,21 +87,41 @@ class _Sampling(_Strict):
             raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
         return stops
 
-    def unsupported(self) -> str | None:
-        """Fields we parse but do not implement: refused clearly rather than ignored."""
-        if self.presence_penalty not in (None, 0, 0.0):
-            return "presence_penalty"
-        if self.frequency_penalty not in (None, 0, 0.0):
-            return "frequency_penalty"
-        if self.logprobs:
-            return "logprobs"
-        return None
+    def top_logprobs_requested(self) -> int | None:
+        """None: no logprobs; k: the chosen token's logprob and the k most likely tokens."""
+        raise NotImplementedError
+
+    def engine_params(self) -> dict[str, Any]:
+        """Penalties, logprobs and response_format as replica SamplingParams fields."""
+        params: dict[str, Any] = {}
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = float(value)
+        k = self.top_logprobs_requested()
+        if k is not None:
+            params["logprobs"] = k
+        fmt = self.response_format.engine_format() if self.response_format else None
+        if fmt is not None:
+            params["response_format"] = fmt
+        return params
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def top_logprobs_requested(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -83,6 +132,16 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_requested(self) -> int | None:
+        return self.logprobs
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+def routing_session(header: str | None, body: _Sampling) -> str | None:
+    """The key that keeps a conversation on one replica: the x-session-id header, else
+    prompt_cache_key (OpenAI's field for exactly this), else user."""
+    return header or body.prompt_cache_key or body.user or None

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from gateway import metrics as m
 from gateway.errors import APIError
+from gateway.logprobs import LogprobsView
 
 
 class RequestRun:
@@ -26,6 +27,7 @@ class RequestRun:
         self.ends: dict[int, dict] = {}
         self._closed = False
         self._first_token_seen = False
+        self.logprobs = LogprobsView(chat, body, len(streams))  # OpenAI's logprobs shapes
 
     async def start(self) -> dict[str, str]:
         """Read each stream up to its first token (or end/error) so headers name the replica."""
@@ -115,6 +117,7 @@ class RequestRun:
         async for i, chunk in self._merged():
             if chunk["type"] == "delta":
                 texts[i] += chunk["text"]
+                self.logprobs.add(i, chunk)
             elif chunk["type"] == "end":
                 reasons[i] = chunk["finish_reason"]
                 self._account(i, chunk)
@@ -122,11 +125,12 @@ class RequestRun:
                 raise _error(chunk)
         m.E2E.observe(time.monotonic() - self.arrival)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": None}
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r,
+                        "logprobs": self.logprobs.whole(i)}
                        for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
             obj = "chat.completion"
         else:
-            choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": None}
+            choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": self.logprobs.whole(i)}
                        for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.gw.model_name,
@@ -147,9 +151,10 @@ class RequestRun:
                 for i in range(len(self.streams)):
                     yield self._sse([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             async for i, chunk in self._merged():
-                if chunk["type"] == "delta" and chunk["text"]:
+                if chunk["type"] == "delta" and (chunk["text"] or chunk.get("logprobs")):
                     piece = {"delta": {"content": chunk["text"]}} if self.chat else {"text": chunk["text"]}
-                    yield self._sse([{"index": i, **piece, "finish_reason": None, "logprobs": None}])
+                    yield self._sse([{"index": i, **piece, "finish_reason": None,
+                                      "logprobs": self.logprobs.piece(i, chunk)}])
                 elif chunk["type"] == "end":
                     self._account(i, chunk)
                     piece = {"delta": {}} if self.chat else {"text": ""}

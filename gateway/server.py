@@ -22,12 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics as m
 from gateway.config import AppConfig
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError, bad_request, http_error
 from gateway.migration import MigrationPolicy, ResilientStream
-from gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.openai_models import ChatCompletionRequest, CompletionRequest, routing_session
 from gateway.request_run import RequestRun
 from gateway.tokenization import PromptBuilder
 from router.protocol.messages import GenerateRequest
@@ -41,6 +42,13 @@ app = FastAPI(title="prefixgate", description="OpenAI-compatible gateway with pr
 @app.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown paths (404), wrong methods (405) and other routing errors, in OpenAI's shape."""
+    where = f"{request.method} {request.url.path}"
+    return http_error(exc.status_code, exc.detail, exc.headers, where).response()
 
 
 @app.exception_handler(RequestValidationError)
@@ -123,9 +131,6 @@ class Gateway:
         if body.model != self.model_name:
             raise APIError(404, f"model '{body.model}' does not exist; this gateway serves '{self.model_name}'",
                            param="model", code="model_not_found")
-        bad = body.unsupported()
-        if bad:
-            raise bad_request(f"{bad} is not supported by this server", param=bad)
         return body
 
     def _tenant(self, request: Request) -> str | None:
@@ -167,6 +172,7 @@ class Gateway:
                 params["seed"] = (body.seed + i) % 2**63
             if body.n > 1 and body.temperature is None:
                 params["temperature"] = 1.0  # n copies of a greedy answer would be identical
+            params.update(body.engine_params())  # penalties, logprobs, response_format
             req = GenerateRequest(list(prompt_ids), params, prompt=prompt_text, session_id=session, cache_salt=tenant)
             streams.append(self._replica_stream(req))
         return streams
@@ -191,7 +197,8 @@ class Gateway:
                 prompt_ids, prompt_text = self.prompts.chat(body)
             else:
                 prompt_ids, prompt_text = self.prompts.completion(body)
-            session = request.headers.get("x-session-id") or body.user or None
+            # the routing session key: x-session-id > prompt_cache_key (OpenAI's field for it) > user
+            session = routing_session(request.headers.get("x-session-id"), body)
             if session and tenant:
                 session = f"{tenant}/{session}"  # one tenant cannot steer another's sessions
             self._admit(body.n)

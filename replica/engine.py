@@ -18,6 +18,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from replica.block_manager import BlockManager, KVEventListener
+from replica.constrained import Grammars
 from replica.default_model import resolve_model
 from replica.detokenizer import Detokenizer
 from replica.engine_types import EngineConfig, EngineStats, InvalidRequestError, RequestOutput
@@ -26,6 +27,7 @@ from replica.sampler import Sampler
 from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler, SchedulerConfig
 from replica.sequence import Sequence
+from replica.token_text import TokenText
 from router.protocol.hashing import block_hashes, chain_seed
 
 __all__ = ["LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "InvalidRequestError"]
@@ -51,7 +53,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(path, self.tokenizer)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
-        self.sampler = Sampler()
+        self.sampler = Sampler(Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)))
+        self.token_text = TokenText(self.tokenizer)  # logprobs: token ids to OpenAI's token/bytes
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self._seeds: dict[str | None, int] = {}
@@ -131,6 +134,10 @@ class LLMEngine:
             seq.emitted_text_len = max(0, min(sent, len(seq.output_text)))
         seq.table.hashes = block_hashes(seq.token_ids, self.config.block_size, seed)
         seq.arrival_time = time.monotonic()
+        try:
+            self.sampler.add(seq)  # compiles a response_format grammar: refused here, not mid-batch
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
@@ -163,10 +170,10 @@ class LLMEngine:
         self.scheduler.commit(chunks)
         self._steps += 1
         samplers = [c.seq for c in chunks if c.samples]
-        tokens = self.sampler.sample(logits, [(s.request_id, s.params) for s in samplers])
+        sampled = self.sampler.sample(logits, samplers)
         outputs: list[RequestOutput] = []
         now = time.monotonic()
-        for seq, token in zip(samplers, tokens, strict=True):
+        for seq, token, logprob in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
             seq.token_ids.append(token)
             self._generated += 1
             if seq.first_token_time is None:
@@ -175,6 +182,8 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             outputs.append(self._output(seq))
+            if logprob is not None:
+                outputs[-1].logprobs = [self.token_text.entry(logprob)]
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
                 self.sampler.forget(seq.request_id)
@@ -222,10 +231,15 @@ class LLMEngine:
         param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         ids = [self.add_request(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, param_list, strict=True)]
         final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[dict]] = {}
         while len(final) < len(ids):
             for out in self.step():
+                if out.logprobs:
+                    logprobs.setdefault(out.request_id, []).extend(out.logprobs)
                 if out.finished:
                     final[out.request_id] = out
+                    if out.request_id in logprobs:  # the whole output's logprobs, not the last token's
+                        out.logprobs = logprobs.pop(out.request_id)
         return [final[i] for i in ids]
 
     def stats(self) -> EngineStats:

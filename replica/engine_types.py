@@ -39,6 +39,8 @@ class RequestOutput:
     num_cached_tokens: int
     finished: bool
     finish_reason: str | None = None  # "stop", "length", "abort"
+    # per new token when the request asked for logprobs: {"token_id", "token", "bytes", "logprob", "top": [...]}
+    logprobs: list[dict] | None = None
 
 
 @dataclass

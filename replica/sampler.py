@@ -1,51 +1,243 @@
-"""Next-token choice per request: greedy, or temperature / top-k / top-p with a per-request seed."""
+"""Next-token choice for a whole batch on the logits' device.
+
+Per step: raw log-softmax for the requests that asked for logprobs (vLLM's default "raw"
+logprobs: the model's own distribution, before any penalty, temperature or mask), the grammar
+bitmask of constrained requests, penalties, then greedy argmax or temperature / top-k / top-p
+sampling. Every row is handled by batched tensor ops; the only device-to-host copy is the one
+`tolist()` of the results at the end. Seeded requests draw their noise from their own
+torch.Generator, so a request's tokens do not depend on what else shares the batch.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
+from replica.constrained import GrammarMatcher, Grammars, allocate_bitmask, apply_bitmask
 from replica.sampling_params import SamplingParams
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM report this for impossible tokens
+
+
+class Row(Protocol):
+    """What the sampler reads of a request (replica.sequence.Sequence has all of it)."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's raw logprob and the `k` most likely tokens (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # per row; None where the request did not ask
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, grammars: Grammars | None = None) -> None:
+        self.grammars = grammars
         self._generators: dict[str, torch.Generator] = {}
-        self._shared = torch.Generator()
-        self._shared.seed()
+        self._matchers: dict[str, GrammarMatcher] = {}
+        self._device_generators: dict[tuple[str, str], torch.Generator] = {}
+        self._shared: dict[str, torch.Generator] = {}
+
+    # ---- per-request state ---------------------------------------------------------------
+    def add(self, row: Row) -> None:
+        """Set up a request's grammar before it is scheduled: a schema that cannot compile is
+        refused here (GrammarError, a ValueError), never in the middle of a batch."""
+        p = row.params
+        if not p.constrained:
+            return
+        if self.grammars is None:
+            raise ValueError("response_format is not available on this engine")
+        matcher = self.grammars.matcher(p.response_format)
+        for token in row.output_token_ids:  # a migrated stream: replay what was already generated
+            matcher.accept(token)
+        self._matchers[row.request_id] = matcher
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._matchers.pop(request_id, None)
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            return self._shared
+    def _generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
         gen = self._generators.get(request_id)
         if gen is None:
-            gen = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+            gen = self._generators[request_id] = torch.Generator(device=device).manual_seed(seed)
         return gen
 
-    def sample(self, logits: torch.Tensor, requests: list[tuple[str, SamplingParams]]) -> list[int]:
-        """logits: [N, V] float32 on any device; one (request_id, params) per row."""
-        greedy = logits.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for row, (request_id, params) in enumerate(requests):
-            if params.greedy:
-                out.append(greedy[row])
-                continue
-            scores = logits[row].cpu().double() / params.temperature
-            if params.top_k > 0 and params.top_k < scores.numel():
-                kth = torch.topk(scores, params.top_k).values[-1]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            if params.top_p < 1.0:
-                sorted_probs, order = probs.sort(descending=True)
-                cumulative = sorted_probs.cumsum(0)
-                drop = cumulative - sorted_probs > params.top_p  # keep the smallest set reaching top_p
-                sorted_probs[drop] = 0.0
-                probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-            if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-                out.append(greedy[row])  # degenerate distribution: never fail the whole step
-                continue
-            token = torch.multinomial(probs, 1, generator=self._generator(request_id, params))
-            out.append(int(token))
-        return out
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._shared.get(str(device))
+        if gen is None:
+            gen = self._shared[str(device)] = torch.Generator(device=device)
+            gen.seed()
+        return gen
+
+    # ---- the step ------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, rows: list[Row]) -> SamplerOutput:
+        """logits: [N, V] on any device and dtype; one row per request, in order."""
+        n = len(rows)
+        params = [r.params for r in rows]
+        logits = logits.float()
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_lp = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
+
+        # masks and penalties write in place: never into the runner's own output
+        scores = logits.clone() if any(p.penalized or p.constrained for p in params) else logits
+        self._apply_grammar(scores, rows)
+        self._apply_penalties(scores, rows)
+
+        tokens = scores.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=scores.device)
+            chosen = self._sample_rows(scores[idx], [rows[i] for i in sampled])
+            tokens = tokens.index_copy(0, idx, chosen)
+
+        lp_rows: list[TokenLogprob | None] = [None] * n
+        if raw_lp is not None:
+            lp_idx = torch.tensor(want_lp, device=scores.device)
+            chosen_lp = raw_lp.gather(1, tokens[lp_idx].unsqueeze(1)).squeeze(1)
+            k = max(params[i].logprobs for i in want_lp)
+            top_lp, top_ids = raw_lp.topk(k, dim=-1) if k else (raw_lp[:, :0], raw_lp[:, :0].long())
+            token_list, chosen_list, top_lp_list, top_id_list = (
+                tokens.tolist(), chosen_lp.tolist(), top_lp.tolist(), top_ids.tolist()
+            )
+            for j, i in enumerate(want_lp):
+                kk = params[i].logprobs
+                lp_rows[i] = TokenLogprob(
+                    token_list[i], _finite(chosen_list[j]),
+                    [(t, _finite(v)) for t, v in zip(top_id_list[j][:kk], top_lp_list[j][:kk], strict=True)],
+                )
+        else:
+            token_list = tokens.tolist()
+        for row, token in zip(rows, token_list, strict=True):
+            matcher = self._matchers.get(row.request_id)
+            if matcher is not None:
+                matcher.accept(token)
+        return SamplerOutput(token_list, lp_rows)
+
+    def _apply_grammar(self, scores: torch.Tensor, rows: list[Row]) -> None:
+        constrained = [i for i, r in enumerate(rows) if r.request_id in self._matchers]
+        if not constrained:
+            return
+        bitmask = allocate_bitmask(len(rows), scores.shape[-1])
+        live = []
+        for i in constrained:
+            matcher = self._matchers[rows[i].request_id]
+            if not matcher.done:
+                matcher.fill(bitmask, i)
+                live.append(i)
+        if live:
+            apply_bitmask(scores, bitmask, live)
+
+    @staticmethod
+    def _apply_penalties(scores: torch.Tensor, rows: list[Row]) -> None:
+        which = [i for i, r in enumerate(rows) if r.params.penalized]
+        if not which:
+            return
+        device, vocab = scores.device, scores.shape[-1]
+        idx = torch.tensor(which, device=device)
+        sub = scores[idx]
+        outputs = [rows[i].output_token_ids for i in which]
+        counts = _token_counts(outputs, len(which), vocab, device)
+        rep = torch.tensor([rows[i].params.repetition_penalty for i in which], device=device).unsqueeze(1)
+        if any(rows[i].params.repetition_penalty != 1.0 for i in which):
+            seen = counts > 0
+            prompts = [rows[i].prompt_token_ids for i in which]
+            seen |= _token_counts(prompts, len(which), vocab, device) > 0
+            penalized = torch.where(sub > 0, sub / rep, sub * rep)
+            sub = torch.where(seen, penalized, sub)
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in which], device=device).unsqueeze(1)
+        pres = torch.tensor([rows[i].params.presence_penalty for i in which], device=device).unsqueeze(1)
+        sub = sub - freq * counts - pres * (counts > 0).float()
+        scores[idx] = sub
+
+    def _sample_rows(self, scores: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Temperature, top-k, top-p, then one draw per row (exponential race: argmax p/q with
+        q ~ Exp(1) picks token t with probability p_t, and lets every row use its own generator)."""
+        device = scores.device
+        params = [r.params for r in rows]
+        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        probs = torch.softmax(_top_k(scores / temps, params), dim=-1)
+        probs = _top_p(probs, params)
+        noise = torch.empty_like(probs)
+        seeded = [j for j, p in enumerate(params) if p.seed is not None]
+        unseeded = [j for j, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            shared = torch.empty((len(unseeded), probs.shape[1]), device=device)
+            shared.exponential_(generator=self._shared_generator(device))
+            noise[torch.tensor(unseeded, device=device)] = shared
+        for j in seeded:
+            noise[j].exponential_(generator=self._generator(rows[j].request_id, params[j].seed, device))
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a drawn 0 would make 0/0 = NaN win argmax
+        chosen = (probs / noise).argmax(dim=-1)
+        # a degenerate distribution (all masked, NaN) must not fail the step: fall back to argmax
+        ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        return torch.where(ok, chosen, scores.argmax(dim=-1))
+
+
+def probabilities(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution rows are drawn from (after temperature, top-k, top-p): for tests."""
+    temps = torch.tensor([p.temperature for p in params], device=scores.device).unsqueeze(1)
+    return _top_p(torch.softmax(_top_k(scores.float() / temps, params), dim=-1), params)
+
+
+def _top_k(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k as a -inf cut below each row's k-th largest score (rows without a cut keep all)."""
+    vocab = scores.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if not any(ks):
+        return scores
+    kmax = max(ks)
+    top = scores.topk(kmax, dim=-1).values
+    pick = torch.tensor([max(k, 1) - 1 for k in ks], device=scores.device).unsqueeze(1)
+    kth = top.gather(1, pick)
+    kth = torch.where(torch.tensor(ks, device=scores.device).unsqueeze(1) > 0, kth, torch.full_like(kth, -torch.inf))
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def _top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose mass reaches top_p."""
+    if all(p.top_p >= 1.0 for p in params):
+        return probs
+    # rows without a cut get an infinite threshold: a float32 cumsum can pass 1.0 by rounding
+    cut = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
+    top_p = torch.tensor(cut, device=probs.device, dtype=probs.dtype).unsqueeze(1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def _token_counts(seqs: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float counts of each token id in each row's list (one host-to-device copy)."""
+    counts = torch.zeros((rows, vocab), device=device)
+    longest = max((len(s) for s in seqs), default=0)
+    if longest == 0:
+        return counts
+    ids = torch.full((rows, longest), vocab, dtype=torch.long)  # padding goes to a spare column
+    for r, s in enumerate(seqs):
+        if s:
+            ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+    ids = ids.to(device)
+    padded = torch.zeros((rows, vocab + 1), device=device)
+    padded.scatter_add_(1, ids, torch.ones_like(ids, dtype=padded.dtype))
+    return padded[:, :vocab]
+
+
+def _finite(x: float) -> float:
+    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs and vLLM's default cap
 
 
 @dataclass
@@ -15,6 +19,14 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # OpenAI semantics, over the generated tokens only: logit -= f * count + p * (count > 0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM/HF semantics, over prompt and generated tokens: positive logits / r, negative * r
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
+    # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}: constrained decoding
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -40,8 +52,38 @@ class SamplingParams:
             raise ValueError("stop must be at most 16 non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type") if isinstance(rf, dict) else None
+            if kind not in ("text", "json_object", "json_schema"):
+                raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema'")
+            if kind == "json_schema" and not isinstance(rf.get("schema"), (dict, bool)):
+                raise ValueError("response_format json_schema needs a schema object")
 
     @property
     def greedy(self) -> bool:
         # a temperature this small is argmax in all but name, and dividing by it overflows
         return self.temperature < 1e-5
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def constrained(self) -> bool:
+        return self.response_format is not None and self.response_format.get("type") != "text"
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 
 @dataclass
@@ -34,6 +34,9 @@ class DeltaChunk(TypedDict):
     type: Literal["delta"]
     token_ids: list[int]
     text: str
+    # when the request asked for logprobs, one entry per token in token_ids:
+    # {"token_id", "token", "bytes", "logprob", "top": [{"token_id", "token", "bytes", "logprob"}]}
+    logprobs: NotRequired[list[dict[str, Any]]]
 
 
 class EndChunk(TypedDict):
