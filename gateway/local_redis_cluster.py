@@ -1,4 +1,4 @@
-"""A real 3-master Redis Cluster on loopback ports, for the tests (and the router bench)."""
+"""A private 3-master Redis Cluster on loopback ports (the tests, `prefixgate bench router --cluster`)."""
 
 from __future__ import annotations
 

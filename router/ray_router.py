@@ -21,7 +21,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -31,6 +30,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from router.decider import INFLIGHT_TTL_S, Decider, InflightPrefixes, Routed
 from router.load_table import LoadTable
 from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
@@ -39,62 +39,6 @@ from router.protocol.messages import GenerateRequest
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
 log = logging.getLogger("prefixgate.router")
-
-
-INFLIGHT_TTL_S = 3.0  # long enough for a replica to finish the prefill and publish its blocks
-
-
-class InflightPrefixes:
-    """Prompts this router sent in the last few seconds, by block hash.
-
-    The index learns about blocks only once a replica has computed them; a second request with
-    the same new system prompt arriving meanwhile would look cold everywhere and could be sent
-    to compute it again elsewhere. Counting what we just routed closes that gap.
-    """
-
-    def __init__(self, ttl_s: float, max_entries: int = 200_000) -> None:
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._entries: OrderedDict[int, tuple[str, float]] = OrderedDict()
-
-    def add(self, hashes: list[int], replica_id: str) -> None:
-        expires = time.monotonic() + self.ttl_s
-        for h in hashes:
-            self._entries[h] = (replica_id, expires)
-            self._entries.move_to_end(h)
-        self._prune()
-
-    def match(self, hashes: list[int]) -> dict[str, int]:
-        """Leading blocks of this prompt recently routed to one replica: {replica: count}."""
-        now = time.monotonic()
-        owner, count = None, 0
-        for h in hashes:
-            entry = self._entries.get(h)
-            if entry is None or entry[1] < now or (owner is not None and entry[0] != owner):
-                break
-            owner, count = entry[0], count + 1
-        return {owner: count} if owner is not None else {}
-
-    def _prune(self) -> None:
-        now = time.monotonic()
-        while self._entries:
-            h, (_, expires) = next(iter(self._entries.items()))
-            if expires >= now and len(self._entries) <= self.max_entries:
-                break
-            del self._entries[h]
-
-
-@dataclass
-class Routed:
-    """One request's decision, kept from choose_replicas until Ray reports where it went."""
-
-    route: RouteRequest
-    decision: Decision
-    ranked: list[str]  # scored replicas, cheapest first (the decision's replica first)
-    matched: dict[str, int] = field(default_factory=dict)
-    fleet_size: int = 0
-    calls: int = 1
-    created: float = field(default_factory=time.monotonic)
 
 
 DECISION_TTL_S = 60.0  # a request never routed (cancelled) is forgotten after this
@@ -134,6 +78,7 @@ class PrefixGateRouter(RequestRouter):
         self._seeds: dict[str | None, int] = {}
         self._background: set[asyncio.Task] = set()
         self.inflight = InflightPrefixes(INFLIGHT_TTL_S)
+        self.decider = Decider(self.policy, self.loads, self.inflight, sampled_replicas) if self.loads is not None else None
         self._decisions: OrderedDict[str, Routed] = OrderedDict()
         self.routed = 0  # requests Ray reported as routed (on_request_routed)
 
@@ -227,50 +172,10 @@ class PrefixGateRouter(RequestRouter):
             except IndexUnavailable:
                 router_metrics().index_failures.inc()
             else:
-                return self._score(route, by_id, ids, look)
+                queue_len = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
+                return self.decider.score(route, ids, look, queue_len.get)
         decision = self.fallback.decide(route, [ReplicaView(rid) for rid in ids])
         return Routed(route, Decision(decision.replica_id, "fallback", 0), [decision.replica_id], fleet_size=len(ids))
-
-    def _score(self, route: RouteRequest, by_id: dict[str, RunningReplica], ids: list[str], look) -> Routed:
-        """Views of the matched replicas, the session's, and a few sampled for load; the policy
-        decides among those only."""
-        assert self.loads is not None
-        self.loads.watch(ids)
-        matched = {rid: e.matched_blocks for rid, e in look.replicas.items() if rid in by_id}
-        for rid, n in self.inflight.match(route.block_hashes).items():
-            if rid in by_id and n > matched.get(rid, 0):
-                matched[rid] = n
-        session_replica = look.session_replica if look.session_replica in by_id else None
-        scored = set(matched)
-        if session_replica is not None:
-            scored.add(session_replica)
-        scored.update(self.loads.sample(ids, self.sampled_replicas, scored))
-        if not scored:
-            scored.add(ids[0])
-        unknown = self.loads.pessimistic()
-        views = [self._view(rid, matched.get(rid, 0), by_id[rid], unknown) for rid in scored]
-        decision = self.policy.decide(route, views, session_replica)
-        ranked = [decision.replica_id] + [v.replica_id for v in self.policy.rank(route, views) if v.replica_id != decision.replica_id]
-        return Routed(route, decision, ranked, matched, fleet_size=len(ids))
-
-    def _view(self, rid: str, matched: int, replica: RunningReplica, unknown: dict[str, int]) -> ReplicaView:
-        hb = self.loads.get(rid)
-        if hb is None:  # no heartbeat: unknown load, never idle
-            hb = unknown
-        # heartbeats lag by up to half a second; this router's own in-flight count
-        # (kept by Ray Serve) covers requests it sent since
-        local_queue = self.replica_queue_len_cache.get(replica.replica_id) or 0
-        running = hb.get("running", 0)
-        return ReplicaView(
-            replica_id=rid,
-            matched_blocks=matched,
-            running=running,
-            waiting=max(hb.get("waiting", 0), local_queue - running),
-            pending_prefill_tokens=hb.get("pending_prefill_tokens", 0),
-            free_blocks=hb.get("free_blocks", 0),
-            cached_blocks=hb.get("cached_blocks", 0),
-            capacity_blocks=hb.get("capacity_blocks", 0),
-        )
 
     def _spawn(self, coro) -> None:
         try:

@@ -34,7 +34,8 @@ class RedisConfig:
     cooldown_s: float = 1.0
     session_ttl_s: int = 1800
     buckets: int = 16  # hash tags the block index spreads over (cluster slots)
-    sample: int = 4  # holders sampled per block: bounds a lookup's cost on a hot prefix
+    sample: int = 4  # holders sampled where a match ends: bounds a lookup's cost on a hot prefix
+    keep: int = 12  # replicas a lookup reports at most (deepest matches first)
 
 
 @dataclass
@@ -164,23 +165,47 @@ class RedisIndex:
         self.lookups += 1
         client = await self._open_guarded()
         try:
-            raw, session_replica = await self._guard(self._query(client, hashes, session_id))
+            cards, samples, session_replica = await self._guard(self._query(client, hashes, session_id))
         except IndexUnavailable as e:
             if not isinstance(e.__cause__, NoScriptError):
                 raise
             self._down_until = 0.0  # Redis restarted and lost the script: load it again, retry
             self._sha = await self._guard(client.script_load(LOOKUP_SCRIPT))
-            raw, session_replica = await self._guard(self._query(client, hashes, session_id))
-        matched: dict[str, int] = {}
-        for pos in range(len(hashes)):  # walk the chain; holders seen at depth d match d blocks
-            holders = raw.get(pos)
-            if not holders:
-                break
-            for rid in holders:
-                matched[rid] = pos + 1
+            cards, samples, session_replica = await self._guard(self._query(client, hashes, session_id))
+        matched = self._walk(len(hashes), cards, samples)
         if replica_ids is not None:
             matched = {rid: matched.get(rid, 0) for rid in replica_ids}
         return Lookup(session_replica, {rid: ReplicaEntry(n) for rid, n in matched.items()})
+
+    def _walk(self, n: int, cards: dict[int, int], samples: dict[int, list[str]]) -> dict[str, int]:
+        """Leading-block match per sampled replica, at most `keep` replicas, deepest first.
+
+        The chain is walked from block 0 up to the first block nobody holds. Holder counts never
+        grow along a chain (holding block i+1 means holding block i), so the holders sampled at
+        block i also hold every block up to the next drop in the count: that is their match."""
+        depth = 0
+        while depth < n and cards.get(depth, 0) > 0:
+            depth += 1
+        if depth == 0:
+            return {}
+        ends = [i for i in range(depth) if i == depth - 1 or cards[i + 1] < cards[i]]
+        by_end: dict[int, list[str]] = {}
+        j = 0
+        for i in range(depth):
+            while ends[j] < i:
+                j += 1
+            if samples.get(i):
+                by_end.setdefault(ends[j], []).extend(samples[i])
+        matched: dict[str, int] = {}
+        for end in reversed(ends):  # deepest first; a replica keeps its deepest match
+            taken = 0
+            for rid in by_end.get(end, ()):
+                if rid not in matched and taken < self.config.sample:
+                    matched[rid] = end + 1
+                    taken += 1
+            if len(matched) >= self.config.keep:
+                break
+        return matched
 
     async def _query(self, client: Client, hashes: list[int], session_id: str | None):
         groups = group_by_tag(self.keys, hashes, is_cluster(client))
@@ -193,12 +218,14 @@ class RedisIndex:
         for r in results:
             if isinstance(r, Exception):
                 raise r
-        by_pos: dict[int, list[str]] = {}
-        for group, answer in zip(groups, results, strict=False):
-            for (pos, _), holders in zip(group, answer, strict=False):
-                by_pos[pos] = holders
+        cards: dict[int, int] = {}
+        samples: dict[int, list[str]] = {}
+        for group, (group_cards, group_samples) in zip(groups, results, strict=False):
+            for (pos, _), card, sample in zip(group, group_cards, group_samples, strict=False):
+                cards[pos] = card
+                samples[pos] = sample
         session_replica = results[-1] if session_id else None
-        return by_pos, session_replica or None
+        return cards, samples, session_replica or None
 
     async def remember_session(self, session_id: str, replica_id: str) -> None:
         client = await self._open_guarded()

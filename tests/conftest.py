@@ -97,7 +97,7 @@ def stack(redis_server):
 @pytest.fixture(scope="session")
 def redis_cluster():
     """A real 3-master Redis Cluster on loopback ports, for the whole test session."""
-    from tests.redis_cluster import LocalRedisCluster
+    from gateway.local_redis_cluster import LocalRedisCluster
 
     cluster = LocalRedisCluster().start()
     yield cluster

@@ -80,16 +80,28 @@ class RedisKeys:
 
 
 # One call per hash tag (per shard group) and decision. KEYS = block keys in chain order,
-# ARGV[1] = how many holders to sample per block. Returns one list of holders per key, up to
-# the first block nobody holds: blocks past a gap cannot be hit (the chain is broken there).
-# SRANDMEMBER with a small positive count costs O(count), whatever the number of holders.
+# ARGV[1] = how many holders to sample. Returns {cards, samples}: the number of holders of each
+# block up to the first block nobody holds (blocks past a gap cannot be hit), and holders
+# sampled only where that number drops (or at the last key): since a replica holding block i+1
+# holds block i too, a drop is where some replicas' match ends, and the holders there match at
+# least that deep. SCARD is O(1) and SRANDMEMBER with a small count O(count): the script's cost
+# depends on the prompt's length, never on how many replicas there are or hold a block.
 LOOKUP_SCRIPT = """
 local k = tonumber(ARGV[1])
-local out = {}
+local cards = {}
 for i = 1, #KEYS do
-  local m = redis.call('SRANDMEMBER', KEYS[i], k)
-  if #m == 0 then break end
-  out[i] = m
+  local c = redis.call('SCARD', KEYS[i])
+  if c == 0 then break end
+  cards[i] = c
 end
-return out
+local samples = {}
+local n = #cards
+for i = 1, n do
+  if i == n or cards[i + 1] < cards[i] then
+    samples[i] = redis.call('SRANDMEMBER', KEYS[i], k)
+  else
+    samples[i] = {}
+  end
+end
+return {cards, samples}
 """
