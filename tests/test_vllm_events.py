@@ -1,0 +1,120 @@
+"""vLLM KV events -> our index, over a real ZMQ PUB socket on loopback and a real Redis
+(standalone and cluster).
+
+The installed Ray (2.60) ships no copy of vLLM's event structs (its KV-aware router delegates
+to Dynamo), so the publishing side here is an independent encoding of vLLM's wire format
+written with the plain `msgpack` library: [ts, [["BlockStored", hashes, parent, token_ids,
+block_size, lora_id, medium], ...], dp_rank] after a topic frame and an 8-byte big-endian
+sequence number. Our msgspec structs must produce exactly those bytes. vLLM's hashes are
+random here (seeded per process, as vLLM's are): the adapter must re-hash from token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import msgpack
+import zmq
+
+from gateway.local_redis import free_port
+from router.protocol.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from router.protocol.hashing import block_hashes, chain_seed
+from router.redis_index import RedisConfig, RedisIndex
+from router.vllm_events import AdapterConfig, EventTranslator, VllmEventAdapter
+
+BS = 4
+MODEL = "vllm-model"
+
+
+def vllm_payload(ts: float, events: list[list]) -> bytes:
+    """What vLLM's ZmqEventPublisher puts in a message's payload frame (dp rank None)."""
+    return msgpack.packb([ts, events, None])
+
+
+def stored(hashes, parent, tokens):
+    return ["BlockStored", hashes, parent, tokens, BS, None, None]
+
+
+def test_our_structs_encode_vllms_wire_format():
+    ours = KVEventBatch(ts=1.25, events=[BlockStored([7, 8], None, list(range(8)), BS), BlockRemoved([8])])
+    assert encode_batch(ours) == vllm_payload(1.25, [stored([7, 8], None, list(range(8))), ["BlockRemoved", [8], None]])
+
+
+def test_translator_rehashes_with_our_spec_and_skips_orphans():
+    from router.protocol.events import decode_batch
+
+    t = EventTranslator(MODEL, BS, depth=64)
+    tokens = list(range(100, 116))  # 4 blocks
+    ours = block_hashes(tokens, BS, chain_seed(MODEL))
+    a, b = random.getrandbits(63), random.getrandbits(63)
+    writes = t.translate(decode_batch(vllm_payload(0.0, [stored([a, 1, 2], None, tokens[:12]), stored([b], 2, tokens[12:])])))
+    assert writes == [("+", ours[:3]), ("+", ours[3:])]
+    orphan = t.translate(decode_batch(vllm_payload(0.0, [stored([9], 12345, [1, 2, 3, 4])])))
+    assert orphan == [] and t.stats.skipped == 1
+    assert t.translate(decode_batch(vllm_payload(0.0, [["BlockRemoved", [b], None]]))) == [("-", ours[3:])]
+
+
+def test_vllm_stream_feeds_the_index(redis_url):
+    prefix = f"v{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    seq = 0
+
+    def send(events):
+        nonlocal seq
+        pub.send_multipart([b"kv", seq.to_bytes(8, "big", signed=True), vllm_payload(time.time(), events)])
+        seq += 1
+
+    async def scenario():
+        adapter = VllmEventAdapter(AdapterConfig(f"tcp://127.0.0.1:{port}", "vllm-0", redis_url, MODEL, prefix, BS))
+        adapter.start()
+        index = RedisIndex(RedisConfig(redis_url, prefix, timeout_s=0.5))
+        try:
+            async def until(check, what):
+                deadline = time.monotonic() + 10
+                while not await check():
+                    assert time.monotonic() < deadline, what
+                    await asyncio.sleep(0.05)
+
+            async def connected():  # ZMQ drops what a PUB sends before the SUB has joined
+                send([["AllBlocksCleared"]])
+                return adapter.stats.batches > 0
+
+            await until(connected, "adapter never received a batch")
+            system, question = list(range(1000, 1012)), [5, 6, 7, 8, 9, 10, 11, 12]
+            ours = block_hashes(system + question, BS, chain_seed(MODEL))  # what the router computes
+            vllm = [random.getrandbits(63) for _ in range(5)]  # vLLM's own per-process hashes
+            send([stored(vllm[:3], None, system)])
+            send([stored(vllm[3:], vllm[2], question)])
+
+            async def matched(n):
+                look = await index.lookup(ours, ["vllm-0"], None)
+                return look.replicas["vllm-0"].matched_blocks == n
+
+            await until(lambda: matched(5), "stored blocks not routable under our hashes")
+            send([["BlockRemoved", [vllm[4]], None]])
+            await until(lambda: matched(4), "removed block still matched")
+            send([["AllBlocksCleared"]])
+            await until(lambda: matched(0), "cleared blocks still matched")
+            assert adapter.stats.gaps == 0 and adapter.stats.bad_messages == 0
+            pub.send_multipart([b"kv", seq.to_bytes(8, "big"), b"\xc1 not msgpack"])
+            await until(lambda: _true(adapter.stats.bad_messages == 1), "bad payload not counted")
+        finally:
+            await adapter.stop()
+            await index.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pub.close()
+        ctx.term()
+
+
+async def _true(value: bool) -> bool:
+    return value
