@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 
 
@@ -54,6 +55,9 @@ class AppConfig:
             raise ValueError(f"unknown settings: {sorted(unknown)}; valid: {sorted(known)}")
         if isinstance(d.get("redis_url"), str):  # Serve config files: redis://${HEAD_IP}:6379
             d["redis_url"] = os.path.expandvars(d["redis_url"])
+            unset = re.findall(r"\$\{?(\w+)", d["redis_url"])
+            if unset:  # e.g. a Ray head started without ~/.prefixgate/redis.env (docs/deploy.md)
+                raise ValueError(f"redis_url names unset environment variables: {', '.join(unset)}")
         return cls(**d)
 
     def to_dict(self) -> dict:

@@ -62,19 +62,80 @@ def test_onprem_file_bootstraps_like_ray_up():
 @pytest.mark.parametrize("name", CLUSTER_FILES)
 def test_cluster_commands(name):
     config = load(name)
+    text = (INFRA / name).read_text()
     for cmd in all_commands(config):
         check = subprocess.run(["bash", "-n", "-c", cmd], capture_output=True, text=True)
         assert check.returncode == 0, f"{cmd!r}: {check.stderr}"
     head = " ".join(config["head_start_ray_commands"])
     workers = " ".join(config["worker_start_ray_commands"])
-    port = re.search(r"ray start --head --port=(\d+)", head).group(1)
-    assert port != "6379", "Ray's GCS must leave 6379 to Redis on the head"
-    assert f"$RAY_HEAD_IP:{port}" in workers
+    port = re.search(r"ray start --head --port=(\$\{PREFIXGATE_RAY_PORT:-(\d+)\})", head)
+    assert port.group(2) != "6379", "Ray's GCS must leave 6379 to Redis on the head"
+    assert f"$RAY_HEAD_IP:{port.group(1)}" in workers
     # Ray 2.60 enables token auth on a head: every node needs the mode and the same token.
-    assert "RAY_AUTH_MODE=token" in head and "RAY_AUTH_MODE=token" in workers
+    assert "export RAY_AUTH_MODE=token" in " ".join(config["setup_commands"])
     assert "~/.ray/auth_token" in config["file_mounts"]
-    assert "redis-server" in " ".join(all_commands(config))
-    assert "serve-config.yaml" in " ".join(config["head_setup_commands"])
+    # Nothing to edit: the synced checkout is what gets installed, on every node.
+    assert "CHANGE-ME" not in text and "git+" not in text
+    assert config["file_mounts"]["~/prefixgate"] == "."
+    assert ".gitignore" in config["rsync_filter"]
+    assert "infra/scripts/node-install.sh" in " ".join(config["setup_commands"])
+    # Redis locked down by the head's own script; Ray starts with its password in the env.
+    assert config["head_setup_commands"] == ["bash ~/prefixgate/infra/scripts/redis-start.sh"]
+    assert ". ~/.prefixgate/redis.env" in head
+    # Nothing listens on every interface but Serve's HTTP port (infra/serve-config.yaml).
+    assert "0.0.0.0" not in " ".join(all_commands(config)) and "--dashboard-host=127.0.0.1" in head
+    assert "systemctl" not in " ".join(all_commands(config))  # the script decides, with a fallback
+    for script in ("node-install.sh", "redis-start.sh", "redis-stop.sh"):
+        check = subprocess.run(["bash", "-n", str(INFRA / "scripts" / script)], capture_output=True, text=True)
+        assert check.returncode == 0, f"{script}: {check.stderr}"
+
+
+def test_redis_start_script_locks_redis_down(tmp_path):
+    """infra/scripts/redis-start.sh as a head runs it (here without systemd: the daemonized
+    fallback): a generated password in mode-600 files, the given address only, protected mode;
+    a second run keeps the password; redis-stop.sh stops it."""
+    import redis
+
+    from gateway.local_redis import free_port
+
+    port = free_port()
+    env = {**os.environ, "HOME": str(tmp_path), "PREFIXGATE_REDIS_BIND": "127.0.0.1",
+           "PREFIXGATE_REDIS_PORT": str(port)}
+    start, stop = (str(INFRA / "scripts" / s) for s in ("redis-start.sh", "redis-stop.sh"))
+    try:
+        passwords = []
+        for _ in range(2):
+            run = subprocess.run(["bash", start], env=env, capture_output=True, text=True, timeout=60)
+            assert run.returncode == 0, run.stderr
+            secret = dict(ln.split("=", 1) for ln in (tmp_path / ".prefixgate" / "redis.env").read_text().split())
+            passwords.append(secret["PREFIXGATE_REDIS_PASSWORD"])
+        first = passwords[0]
+        assert passwords == [first, first] and len(first) == 64 and secret == {"PREFIXGATE_REDIS_PASSWORD": first,
+                                               "PREFIXGATE_REDIS_HOST": "127.0.0.1",
+                                               "PREFIXGATE_REDIS_PORT": str(port)}
+        assert first not in run.stdout + run.stderr
+        for name in ("redis.env", "redis.conf"):
+            assert (tmp_path / ".prefixgate" / name).stat().st_mode & 0o077 == 0, name
+        assert (tmp_path / ".prefixgate").stat().st_mode & 0o077 == 0
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=5).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password="wrong", socket_timeout=5).ping()
+        client = redis.Redis(port=port, password=first, socket_timeout=5)
+        assert client.config_get("bind") == {"bind": "127.0.0.1"}
+        assert client.config_get("protected-mode") == {"protected-mode": "yes"}
+        pid = int((tmp_path / ".prefixgate" / "redis.pid").read_text())
+        assert first not in " ".join(psutil_cmdline(pid))  # the password is in no command line
+    finally:
+        subprocess.run(["bash", stop], env=env, capture_output=True, timeout=60)
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, password=first, socket_timeout=5).ping()
+
+
+def psutil_cmdline(pid: int) -> list[str]:
+    import psutil
+
+    return psutil.Process(pid).cmdline()
 
 
 def test_replicas_fit_gpu_workers_only():
@@ -107,6 +168,10 @@ def autoscaling_example() -> list[dict]:
 
 @pytest.mark.parametrize("name", SERVE_FILES)
 def test_serve_config_builds(name, monkeypatch):
+    # What the head's Ray has in its environment (infra/scripts/redis-start.sh writes it).
+    monkeypatch.setenv("PREFIXGATE_REDIS_PASSWORD", "f00d" * 16)
+    monkeypatch.setenv("PREFIXGATE_REDIS_HOST", "10.0.0.10")
+    monkeypatch.setenv("PREFIXGATE_REDIS_PORT", "6379")
     import ray
     from ray.serve._private.build_app import build_app
     from ray.serve.schema import ServeDeploySchema
@@ -135,6 +200,12 @@ def test_serve_config_builds(name, monkeypatch):
     assert replica.num_replicas == args["replicas"]
     assert replica.ray_actor_options["num_gpus"] == args["replica_num_gpus"]
     assert replica.ray_actor_options.get("resources", {}) == args.get("replica_resources", {})
+    if name == "serve-config.yaml":  # the password reaches the app only through the environment
+        assert "${PREFIXGATE_REDIS_PASSWORD}" in args["redis_url"]
+        assert AppConfig.from_dict(args).redis_url == f"redis://:{'f00d' * 16}@10.0.0.10:6379/0"
+        monkeypatch.delenv("PREFIXGATE_REDIS_PASSWORD")
+        with pytest.raises(ValueError, match="PREFIXGATE_REDIS_PASSWORD"):
+            AppConfig.from_dict(args)
 
     overrides = [d.model_dump(exclude_unset=True) for d in app_config.deployments]
     if name == "serve-config.yaml":
