@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from replica.block_manager import BlockTable
 from replica.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    detok_state: Any = None  # the detokenizer's incremental state (replica.detokenizer.DetokState)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
