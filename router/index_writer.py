@@ -79,8 +79,9 @@ class IndexWriter:
         await self._run(stage)
         return len(stale)
 
-    async def retract(self, rid: str) -> None:
-        """Remove every entry of this replica (it stopped, or died)."""
+    async def retract(self, rid: str) -> bool:
+        """Remove every entry of this replica (it stopped, or died). True if this call removed
+        it from the registered replicas (two collectors racing both clean, one counts)."""
         await self.replace(rid, ())
 
         def stage(pipe):
@@ -89,7 +90,8 @@ class IndexWriter:
             pipe.srem(self.keys.replicas, rid)
             yield
 
-        await self._run(stage)
+        *_, unregistered = await self._run(stage)
+        return bool(unregistered)
 
     async def heartbeat(self, rid: str, load: dict[str, int], ttl_ms: int) -> bool:
         """Writes the load; True when the heartbeat had expired (Redis restarted, or garbage
@@ -117,6 +119,4 @@ class IndexWriter:
             pipe.exists(self.keys.heartbeat(rid))
         alive = await pipe.execute()
         dead = [rid for rid, a in zip(members, alive, strict=True) if not a]
-        for rid in dead:
-            await self.retract(rid)
-        return dead
+        return [rid for rid in dead if await self.retract(rid)]

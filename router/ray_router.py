@@ -36,6 +36,7 @@ from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.messages import GenerateRequest
+from router.protocol.redis_schema import LOOKUP_TIMEOUT_S
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
 log = logging.getLogger("prefixgate.router")
@@ -54,7 +55,7 @@ class PrefixGateRouter(RequestRouter):
         publish_depth: int = 64,
         redis_url: str | None = None,
         key_prefix: str = "prefixgate",
-        redis_timeout_s: float = 0.05,
+        redis_timeout_s: float = LOOKUP_TIMEOUT_S,
         session_ttl_s: int = 1800,
         seed: int | None = None,
         policy_options: dict | None = None,
@@ -158,8 +159,14 @@ class PrefixGateRouter(RequestRouter):
         matched = routed.matched.get(rid, 0)
         self.inflight.add(routed.route.block_hashes, rid)
         self.policy.commit(routed.route, rid, matched, routed.fleet_size)
-        if routed.route.session_id and self.index is not None:
-            self._spawn(self.index.remember_session(routed.route.session_id, rid))
+        if self.index is not None:
+            # other routers see it within a round trip: blocks nobody holds yet, now bound for rid
+            known = max(routed.matched.values(), default=0)
+            fresh = routed.route.block_hashes[known:]
+            if fresh:
+                self._spawn(self.index.mark_inflight(fresh, rid, int(INFLIGHT_TTL_S * 1000)))
+            if routed.route.session_id:
+                self._spawn(self.index.remember_session(routed.route.session_id, rid))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._decisions.pop(internal_request_id, None)

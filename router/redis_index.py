@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from router.protocol.redis_schema import LOOKUP_SCRIPT, RedisKeys
+from router.protocol.redis_schema import LOOKUP_SCRIPT, LOOKUP_TIMEOUT_S, RedisKeys
 
 Client = aioredis.Redis | RedisCluster
 
@@ -30,7 +30,7 @@ Client = aioredis.Redis | RedisCluster
 class RedisConfig:
     url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss:// (TLS), redis://:password@host
     key_prefix: str = "prefixgate"
-    timeout_s: float = 0.02
+    timeout_s: float = LOOKUP_TIMEOUT_S
     cooldown_s: float = 1.0
     session_ttl_s: int = 1800
     buckets: int = 16  # hash tags the block index spreads over (cluster slots)
@@ -95,14 +95,14 @@ def is_cluster(client: Client) -> bool:
     return isinstance(client, RedisCluster)
 
 
-def group_by_tag(keys: RedisKeys, hashes: list[int], cluster: bool) -> list[list[tuple[int, str]]]:
-    """(position, block key) groups that one script call may touch: everything at once on a
+def group_by_tag(keys: RedisKeys, hashes: list[int], cluster: bool) -> list[list[tuple[int, int]]]:
+    """(position, block hash) groups that one script call may touch: everything at once on a
     standalone Redis, one group per hash tag on a cluster. Chain order kept inside groups."""
     if not cluster:
-        return [[(i, keys.block(h)) for i, h in enumerate(hashes)]] if hashes else []
-    groups: dict[int, list[tuple[int, str]]] = {}
+        return [[(i, h) for i, h in enumerate(hashes)]] if hashes else []
+    groups: dict[int, list[tuple[int, int]]] = {}
     for i, h in enumerate(hashes):
-        groups.setdefault(keys.bucket(h), []).append((i, keys.block(h)))
+        groups.setdefault(keys.bucket(h), []).append((i, h))
     return list(groups.values())
 
 
@@ -184,11 +184,12 @@ class RedisIndex:
         grow along a chain (holding block i+1 means holding block i), so the holders sampled at
         block i also hold every block up to the next drop in the count: that is their match."""
         depth = 0
-        while depth < n and cards.get(depth, 0) > 0:
+        while depth < n and cards.get(depth, 0) != 0:
             depth += 1
         if depth == 0:
             return {}
-        ends = [i for i in range(depth) if i == depth - 1 or cards[i + 1] < cards[i]]
+        # -1: nobody holds the block yet but a router just sent it (one holder, its own level)
+        ends = [i for i in range(depth) if i == depth - 1 or cards[i] < 0 or cards[i + 1] < cards[i]]
         by_end: dict[int, list[str]] = {}
         j = 0
         for i in range(depth):
@@ -211,7 +212,8 @@ class RedisIndex:
         groups = group_by_tag(self.keys, hashes, is_cluster(client))
         pipe = client.pipeline(transaction=False)
         for group in groups:
-            pipe.execute_command("EVALSHA", self._sha, len(group), *(k for _, k in group), self.config.sample)
+            group_keys = [k for _, h in group for k in (self.keys.block(h), self.keys.inflight(h))]
+            pipe.execute_command("EVALSHA", self._sha, len(group_keys), *group_keys, self.config.sample)
         if session_id:
             pipe.get(self.keys.session(session_id))
         results = await pipe.execute(raise_on_error=False)
@@ -226,6 +228,17 @@ class RedisIndex:
                 samples[pos] = sample
         session_replica = results[-1] if session_id else None
         return cards, samples, session_replica or None
+
+    async def mark_inflight(self, hashes: list[int], replica_id: str, ttl_ms: int) -> None:
+        """Tell every router that these blocks were just sent to `replica_id`: until a replica
+        publishes them (or the TTL ends), lookups count it as their holder."""
+        if not hashes:
+            return
+        client = await self._open_guarded()
+        pipe = client.pipeline(transaction=False)
+        for h in hashes:
+            pipe.set(self.keys.inflight(h), replica_id, px=ttl_ms)
+        await self._guard(pipe.execute())
 
     async def remember_session(self, session_id: str, replica_id: str) -> None:
         client = await self._open_guarded()

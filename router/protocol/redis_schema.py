@@ -3,6 +3,8 @@ deployment, so several deployments can share a Redis (standalone or Cluster).
 
   {p:bK}:blk:{hash}     SET   replica ids holding this block (the inverted index). K = hash mod
                               `buckets`: the hash tag spreads blocks over the cluster's slots
+  {p:bK}:fl:{hash}      STR   replica a router just sent this block's prompt to, before any
+                              replica has computed it (in flight); a few seconds' TTL
   {p}:blocks:{rid}      SET   block hashes (decimal) one replica holds: resync and clean-up
   {p}:hb:{rid}          HASH  load of a live replica (HEARTBEAT_FIELDS); short TTL
   {p}:replicas          SET   replica ids that have registered (for garbage collection)
@@ -30,6 +32,10 @@ class Heartbeat:
     cached_blocks: int = 0
     capacity_blocks: int = 0
 
+
+# The longest a routing decision waits for Redis (then it routes without the index). One value
+# for RedisConfig, the router and the gateway's AppConfig.redis_timeout_s.
+LOOKUP_TIMEOUT_S = 0.05
 
 # Defined once, by the dataclass: the publisher writes these, the load table reads them.
 HEARTBEAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Heartbeat))
@@ -60,6 +66,10 @@ class RedisKeys:
         """Inverted-index key of one block: which replicas hold it."""
         return f"{{{self.prefix}:b{block_hash % self.buckets}}}:blk:{block_hash}"
 
+    def inflight(self, block_hash: int) -> str:
+        """Where a router just sent this block (same hash tag as the block's key)."""
+        return f"{{{self.prefix}:b{block_hash % self.buckets}}}:fl:{block_hash}"
+
     @property
     def replicas(self) -> str:
         return f"{self.prefix}:replicas"
@@ -79,26 +89,35 @@ class RedisKeys:
         return f"{self.prefix}:session:{session_id}"
 
 
-# One call per hash tag (per shard group) and decision. KEYS = block keys in chain order,
-# ARGV[1] = how many holders to sample. Returns {cards, samples}: the number of holders of each
-# block up to the first block nobody holds (blocks past a gap cannot be hit), and holders
-# sampled only where that number drops (or at the last key): since a replica holding block i+1
-# holds block i too, a drop is where some replicas' match ends, and the holders there match at
-# least that deep. SCARD is O(1) and SRANDMEMBER with a small count O(count): the script's cost
-# depends on the prompt's length, never on how many replicas there are or hold a block.
+# One call per hash tag (per shard group) and decision. KEYS = (block key, in-flight key) pairs
+# in chain order, ARGV[1] = how many holders to sample. Returns {cards, samples}: the number of
+# holders of each block up to the first block nobody holds nor was just sent (blocks past a gap
+# cannot be hit), and holders sampled only where that number drops (or at the last pair): since
+# a replica holding block i+1 holds block i too, a drop is where some replicas' match ends, and
+# the holders there match at least that deep. A block nobody holds yet but a router just sent
+# counts as -1 (one holder, in flight: sampled as the replica it went to). SCARD and GET are O(1) and SRANDMEMBER with a small
+# count O(count): the cost depends on the prompt's length, never on the number of replicas.
 LOOKUP_SCRIPT = """
 local k = tonumber(ARGV[1])
 local cards = {}
-for i = 1, #KEYS do
-  local c = redis.call('SCARD', KEYS[i])
-  if c == 0 then break end
+local pending = {}
+for i = 1, #KEYS / 2 do
+  local c = redis.call('SCARD', KEYS[2 * i - 1])
+  if c == 0 then
+    local to = redis.call('GET', KEYS[2 * i])
+    if not to then break end
+    c = -1
+    pending[i] = to
+  end
   cards[i] = c
 end
 local samples = {}
 local n = #cards
 for i = 1, n do
-  if i == n or cards[i + 1] < cards[i] then
-    samples[i] = redis.call('SRANDMEMBER', KEYS[i], k)
+  if pending[i] then
+    samples[i] = {pending[i]}
+  elseif i == n or cards[i + 1] < cards[i] then
+    samples[i] = redis.call('SRANDMEMBER', KEYS[2 * i - 1], k)
   else
     samples[i] = {}
   end
