@@ -6,6 +6,7 @@ everything it accepted, and the gateway must answer the overflow with clean 429s
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import httpx
@@ -67,3 +68,45 @@ def test_saturation_one_lookup_per_routed_request(stack):
     # side effects once per routed request, for the replica that really took it
     sessions = [client.get(f"{prefix}:session:{prefix}-{i}") for i, r in enumerate(responses) if r.status_code == 200]
     assert all(sessions), sessions
+
+
+def test_prefix_routing_through_a_redis_cluster(stack, redis_cluster):
+    """The whole path on a 3-master Redis Cluster: sim replicas publish through cluster
+    pipelines, the router detects the cluster from the same redis:// URL and routes a new
+    session with a known system prompt to the replica holding it."""
+    from ray import serve
+
+    from gateway.config import AppConfig
+
+    prefix = f"cl-{uuid.uuid4().hex[:6]}"
+    config = AppConfig(engine="sim", replicas=2, policy="affinity", redis_url=redis_cluster.url, key_prefix=prefix,
+                       default_max_tokens=8)
+    name = "cluster"
+    if name in serve.status().applications:
+        serve.delete(name)
+    base = stack.deploy(config, name=name, route_prefix="/cluster")
+    system = f"Cluster run {prefix}. " + "You answer questions about ships and harbours. " * 8
+    client = redis_cluster.client()
+
+    def ask(i: int) -> httpx.Response:
+        body = {"model": MODEL, "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}]}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"x-session-id": f"{prefix}-{i}"}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r
+
+    try:
+        home = ask(0).headers["x-prefixgate-replica"]
+        deadline = time.monotonic() + 10  # bounded wait for the replica's first publish
+        while not client.scard(f"{prefix}:blocks:{home}"):
+            assert time.monotonic() < deadline, "the replica never published its blocks to the cluster"
+            time.sleep(0.1)
+        for i in range(1, 4):
+            r = ask(i)
+            assert r.headers["x-prefixgate-replica"] == home
+            assert r.headers["x-prefixgate-route"] == "prefix"
+        # the index's keys live on more than one shard
+        masters = {client.get_node_from_key(k).name for k in client.scan_iter(match=f"{{{prefix}:b*", count=1000)}
+        assert len(masters) >= 2, masters
+    finally:
+        serve.delete(name)
