@@ -1,22 +1,33 @@
-"""Gateway metrics (Prometheus text at /metrics). The router's metrics share this registry,
-since Ray Serve runs the replica router inside the gateway's process."""
+"""Gateway metrics: recorded through Ray (exported as ray_prefixgate_* at each node's metrics
+export port, tagged with the gateway replica), and also counted in this process's
+prometheus_client registry for the gateway's own `/metrics` (one gateway replica's view)."""
 
-from prometheus_client import Counter, Gauge, Histogram
+from router.telemetry import LATENCY_BUCKETS, Metric
 
-REQUESTS = Counter("prefixgate_requests_total", "HTTP API requests by endpoint and status", ["endpoint", "status"])
-PROMPT_TOKENS = Counter("prefixgate_prefix_cache_queries_tokens_total", "Prompt tokens looked up in a replica's prefix cache", ["replica"])
-CACHED_TOKENS = Counter("prefixgate_prefix_cache_hits_tokens_total", "Prompt tokens served from a replica's prefix cache", ["replica"])
-COMPLETION_TOKENS = Counter("prefixgate_completion_tokens_total", "Generated tokens", ["replica"])
-ROUTES = Counter("prefixgate_routed_requests_total", "Requests by serving replica and routing reason", ["replica", "reason"])
-TTFT = Histogram(
-    "prefixgate_time_to_first_token_seconds",
-    "Time from request arrival to the first generated token",
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-)
-E2E = Histogram(
-    "prefixgate_request_latency_seconds", "Time from arrival to the last token",
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-)
-IN_FLIGHT = Gauge("prefixgate_in_flight_requests", "Requests admitted and not finished")
-REJECTED = Counter("prefixgate_rejected_total", "Requests refused with 429 because replicas were saturated")
-RETRIES = Counter("prefixgate_retries_total", "Requests retried on another replica before any token was sent")
+REQUESTS = Metric("counter", "prefixgate_requests", "HTTP API requests by endpoint and status", ["endpoint", "status"], local=True)
+# Per serving replica as the gateway saw them: only in the gateway's own /metrics, since the
+# replicas export the same figures through Ray (ray_vllm_prefix_cache_*, ray_vllm_generation_tokens).
+PROMPT_TOKENS = Metric("counter", "prefixgate_prefix_cache_queries_tokens", "Prompt tokens looked up in a replica's prefix cache", ["replica"], local=True, ray=False)
+CACHED_TOKENS = Metric("counter", "prefixgate_prefix_cache_hits_tokens", "Prompt tokens served from a replica's prefix cache", ["replica"], local=True, ray=False)
+COMPLETION_TOKENS = Metric("counter", "prefixgate_completion_tokens", "Generated tokens", ["replica"], local=True, ray=False)
+# `replica` is Ray Serve's tag for the recording (gateway) replica, hence serving_replica
+ROUTES = Metric("counter", "prefixgate_routed_requests", "Requests by serving replica and routing reason", ["serving_replica", "reason"], local=True)
+TTFT = Metric("histogram", "prefixgate_time_to_first_token_seconds",
+              "Time from the gateway receiving a request to its first generated token (routing and queueing included)",
+              buckets=LATENCY_BUCKETS, local=True)
+E2E = Metric("histogram", "prefixgate_request_latency_seconds", "Time from arrival at the gateway to the last token",
+             buckets=LATENCY_BUCKETS, local=True)
+IN_FLIGHT = Metric("gauge", "prefixgate_in_flight_requests", "Requests admitted by this gateway replica and not finished", local=True)
+REJECTED = Metric("counter", "prefixgate_rejected", "Requests refused with 429 because replicas were saturated", local=True)
+RETRIES = Metric("counter", "prefixgate_retries", "Requests retried on another replica before any token was sent", local=True)
+# A stream moved to another replica after tokens were sent (gateway/migration.py): outcome is
+# "resumed" when the new replica continued it, "failed" when no replica could.
+MIGRATIONS = Metric("counter", "prefixgate_migrations", "Streams moved to another replica mid-generation, by outcome", ["outcome"], local=True)
+
+
+def start() -> None:
+    """In the gateway replica at startup: export the counters of rare events at 0."""
+    for metric in (REJECTED, RETRIES):
+        metric.zero()
+    for outcome in ("resumed", "failed"):
+        MIGRATIONS.zero(outcome)

@@ -23,6 +23,7 @@ from replica.default_model import resolve_model
 from replica.detokenizer import Detokenizer
 from replica.engine_types import EngineConfig, EngineStats, InvalidRequestError, RequestOutput
 from replica.model_runner import ModelRunner, default_dtype
+from replica.request_metrics import RequestMetrics
 from replica.sampler import Sampler
 from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler, SchedulerConfig
@@ -60,6 +61,7 @@ class LLMEngine:
         self._seeds: dict[str | None, int] = {}
         self._steps = 0
         self._generated = 0
+        self._scheduled_at: dict[str, float] = {}  # request id -> first scheduled (queue time)
 
     # ---- submission ---------------------------------------------------------------------
     def add_listener(self, listener: KVEventListener) -> None:
@@ -151,6 +153,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already done."""
         seq = self.requests.pop(request_id, None)
+        self._scheduled_at.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
@@ -166,6 +169,9 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        scheduled = time.monotonic()
+        for c in chunks:
+            self._scheduled_at.setdefault(c.seq.request_id, scheduled)
         logits = self.runner.run(chunks)
         self.scheduler.commit(chunks)
         self._steps += 1
@@ -217,6 +223,15 @@ class LLMEngine:
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
+            metrics=self._request_metrics(seq) if seq.is_finished else None,
+        )
+
+    def _request_metrics(self, seq: Sequence) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=seq.arrival_time, first_scheduled_time=self._scheduled_at.pop(seq.request_id, None),
+            first_token_time=seq.first_token_time, finished_time=time.monotonic(),
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_generation_tokens=len(seq.output_token_ids), num_preemptions=seq.num_preemptions,
         )
 
     def generate(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from replica.request_metrics import RequestMetrics
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses at submission (nothing else in flight is touched)."""
@@ -41,6 +43,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort"
     # per new token when the request asked for logprobs: {"token_id", "token", "bytes", "logprob", "top": [...]}
     logprobs: list[dict] | None = None
+    metrics: RequestMetrics | None = None  # on the finished output: timestamps (replica/metrics.py)
 
 
 @dataclass
