@@ -16,10 +16,12 @@ APP_NAME = "prefixgate"
 
 
 class LocalStack:
-    def __init__(self, config: AppConfig, port: int = 8000, host: str = "127.0.0.1", ray_address: str | None = None) -> None:
+    def __init__(self, config: AppConfig, port: int = 8000, host: str = "127.0.0.1", ray_address: str | None = None,
+                 metrics_port: int | None = None) -> None:
         self.config = config
         self.port, self.host = port, host
         self.ray_address = ray_address
+        self.metrics_port = metrics_port  # the local Ray node's Prometheus export port (None: Ray picks)
         self.redis: LocalRedis | None = None
 
     @property
@@ -38,7 +40,8 @@ class LocalStack:
             if self.ray_address:
                 ray.init(address=self.ray_address, log_to_driver=False)
             else:
-                ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+                extra = {"_metrics_export_port": self.metrics_port} if self.metrics_port else {}
+                ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False, **extra)
         serve.start(http_options={"host": self.host, "port": self.port})
         self.deploy(self.config, timeout_s)
         return self

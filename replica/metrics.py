@@ -81,13 +81,17 @@ class ReplicaMetrics:
     def request(self) -> RequestRecorder:
         return RequestRecorder(self)
 
-    def finished(self, m: RequestMetrics, reason: str) -> None:
+    def counted(self, prompt_tokens: int, cached_tokens: int, generation_tokens: int, reason: str) -> None:
+        """A finished request's counts (prefix cache queries and hits are in tokens, as vLLM's)."""
         self.success.labels(reason).inc()
-        self.cache_queries.inc(m.num_prompt_tokens)
-        self.cache_hits.inc(m.num_cached_tokens)
-        self.prompt_tokens.inc(m.num_prompt_tokens)
-        self.prompt_hist.observe(m.num_prompt_tokens)
-        self.generation_hist.observe(m.num_generation_tokens)
+        self.cache_queries.inc(prompt_tokens)
+        self.cache_hits.inc(cached_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_hist.observe(prompt_tokens)
+        self.generation_hist.observe(generation_tokens)
+
+    def finished(self, m: RequestMetrics, reason: str) -> None:
+        self.counted(m.num_prompt_tokens, m.num_cached_tokens, m.num_generation_tokens, reason)
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         if m.time_per_output_token is not None:
@@ -137,8 +141,9 @@ class RequestRecorder:
             self.done = True
             if out.metrics is not None:
                 self.metrics.finished(out.metrics, out.finish_reason or "stop")
-            else:
-                self.metrics.success.labels(out.finish_reason or "stop").inc()
+            else:  # an engine without timestamps: the counts still hold
+                self.metrics.counted(out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids),
+                                     out.finish_reason or "stop")
 
     def close(self) -> None:
         """The stream ended without a finished output (client gone, error): vLLM's "abort"."""

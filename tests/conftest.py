@@ -89,7 +89,7 @@ def stack(redis_server):
         redis_url=redis_server.url, key_prefix=f"test-{uuid.uuid4().hex[:6]}", replicas=2,
         kv_cache_mb=64, max_model_len=2048, default_max_tokens=32,
     )
-    s = LocalStack(config, port=free_port()).start()
+    s = LocalStack(config, port=free_port(), metrics_port=free_port()).start()  # metrics: tests/test_metrics.py
     yield s
     s.stop()
 
