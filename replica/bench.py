@@ -72,7 +72,7 @@ QUESTIONS = [
 # Scenario 1: ten questions of 10-28 tokens summing to 190, so the prompts total 1190 tokens.
 SEED_SYSTEM_TOKENS = 100
 SEED_QUESTION_LENGTHS = [12, 25, 16, 10, 28, 19, 22, 14, 24, 20]
-QUESTION_TOKENS = 8  # scenario 2: 200 + 8 = 208-token prompts, like the baselines in ENVIRONMENT.md
+QUESTION_TOKENS = 8  # scenario 2: 200 + 8 = 208-token prompts, like the baselines in docs/environment.md
 
 
 # ---- prompts ----------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ class Cluster:
         self.address = f"127.0.0.1:{self.gcs_port}"
         token = workdir / "auth_token"
         token.write_text(secrets.token_hex(32))
-        # Token auth as ENVIRONMENT.md says, but with our own token file: ~/.ray stays untouched.
+        # Token auth as docs/environment.md says, but with our own token file: ~/.ray stays untouched.
         self.env = {
             **os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
             # Two cores shared with others: no idle Python workers started ahead of need.
