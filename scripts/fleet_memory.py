@@ -40,6 +40,25 @@ def wait_running(replicas: int, gateways: int, timeout_s: float) -> None:
     raise TimeoutError("replicas did not all start")
 
 
+def bare_actor_memory() -> dict:
+    """An empty Ray actor on the same node: the floor any replica process pays."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Bare:
+        def pid(self) -> int:
+            import os
+
+            return os.getpid()
+
+    actor = Bare.remote()
+    try:
+        m = proc_memory(ray.get(actor.pid.remote(), timeout=60))
+        return {"rss_mb": round(m.rss_mb, 1), "pss_mb": round(m.pss_mb, 1), "uss_mb": round(m.uss_mb, 1)}
+    finally:
+        ray.kill(actor)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=32)
@@ -77,6 +96,7 @@ def main() -> int:
         gws = [proc_memory(pid) for pid in serve_replica_pids(APP_NAME, "Gateway")]
         out["sim_replica_mb"] = summary(reps)
         out["gateway_mb"] = summary(gws)
+        out["bare_ray_actor_mb"] = bare_actor_memory()
         mem = Path("/proc/meminfo").read_text().split("\n")
         out["meminfo"] = [line for line in mem if line.startswith(("MemTotal", "MemAvailable"))]
     finally:
