@@ -124,3 +124,50 @@ def test_no_process_loads_torch(fleet):
     for info in infos:
         assert info["engine"] == "sim" and info["torch_loaded"] is False and info["pid"] in replicas
         assert info["pool_tokens"] == 256 * 16 and info["step_lag"]["steps"] >= 0
+
+
+# ---- the gateway's tokenisation without torch (no Ray) ---------------------------------------
+class _Handle:
+    """Stands in for the replicas' DeploymentHandle: `info.remote()` answers or fails."""
+
+    def __init__(self, info: dict | None) -> None:
+        self._info = info
+        self.calls = 0
+        self.info = self
+
+    async def remote(self) -> dict:
+        self.calls += 1
+        if self._info is None:
+            raise RuntimeError("no replica")
+        return self._info
+
+
+def test_prompt_builder_matches_autotokenizer_and_takes_facts_from_replicas(default_model_dir):
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from gateway.errors import APIError
+    from gateway.openai_models import ChatCompletionRequest
+    from gateway.tokenization import PromptBuilder
+
+    builder = PromptBuilder(AppConfig(model=default_model_dir))
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France? ünïcödé"}]})
+    ids, text = builder.chat(body)
+    reference = AutoTokenizer.from_pretrained(default_model_dir)
+    expected = reference.apply_chat_template([m.model_dump(include={"role", "content"}) for m in body.messages],
+                                             tokenize=False, add_generation_prompt=True)
+    assert text == expected and ids == reference.encode(expected, add_special_tokens=False)
+
+    with pytest.raises(APIError) as err:
+        asyncio.run(builder.ready(_Handle(None)))
+    assert err.value.status == 503 and builder.facts is None
+    handle = _Handle({"max_model_len": 2048, "vocab_size": 49152, "pool_tokens": 100, "block_size": 16})
+    asyncio.run(builder.ready(handle))
+    asyncio.run(builder.ready(handle))
+    assert handle.calls == 1 and builder.pool_tokens == 100 and builder.max_model_len == 2048
+    assert builder.check_length([1] * 60, None) == 40  # room left in one replica's pool
+    with pytest.raises(APIError) as err:
+        builder.check_length([1] * 60, 41)
+    assert err.value.status == 400 and err.value.code == "context_length_exceeded"
