@@ -59,6 +59,25 @@ def bare_actor_memory() -> dict:
         ray.kill(actor)
 
 
+def bare_serve_replica_memory() -> dict:
+    """An empty Serve deployment's replica: the floor of any Serve replica process."""
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Bare:
+        def pid(self) -> int:
+            import os
+
+            return os.getpid()
+
+    handle = serve.run(Bare.bind(), name="bare", route_prefix="/bare-floor")
+    try:
+        m = proc_memory(handle.pid.remote().result(timeout_s=60))
+        return {"rss_mb": round(m.rss_mb, 1), "pss_mb": round(m.pss_mb, 1), "uss_mb": round(m.uss_mb, 1)}
+    finally:
+        serve.delete("bare")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=32)
@@ -97,6 +116,7 @@ def main() -> int:
         out["sim_replica_mb"] = summary(reps)
         out["gateway_mb"] = summary(gws)
         out["bare_ray_actor_mb"] = bare_actor_memory()
+        out["bare_serve_replica_mb"] = bare_serve_replica_memory()
         mem = Path("/proc/meminfo").read_text().split("\n")
         out["meminfo"] = [line for line in mem if line.startswith(("MemTotal", "MemAvailable"))]
     finally:
