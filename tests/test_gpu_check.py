@@ -1,0 +1,38 @@
+"""scripts/gpu_check.sh in its CPU form (--smoke): the script a CUDA machine runs is no dead code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_smoke_runs_parity_and_throughput(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--smoke", "--json", str(out)],
+        cwd=ROOT, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gpu_check: ok" in proc.stdout and "output tok/s" in proc.stdout
+    report = json.loads(out.read_text())
+    assert [r["family"] for r in report["parity"]] == ["llama", "qwen2", "qwen3", "mistral"]
+    assert all(r["agreed"] == r["prompts"] for r in report["parity"])
+    tp = report["throughput"]
+    assert tp["num_seqs"] == 8 and tp["device"] == "cpu"
+    assert 8 * 10 <= tp["output_tokens"] <= 8 * 60  # every request ran to its own max_tokens
+    assert abs(tp["output_tok_s"] * tp["seconds"] - tp["output_tokens"]) < 1e-6 * tp["output_tokens"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_gpu_check_refuses_without_cuda():
+    proc = subprocess.run([sys.executable, "-m", "replica.gpu_check", "--device", "cuda"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--smoke" in proc.stderr
