@@ -42,7 +42,9 @@ from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 log = logging.getLogger("prefixgate.router")
 
 
-DECISION_TTL_S = 60.0  # a request never routed (cancelled) is forgotten after this
+# A request never routed (cancelled) is forgotten after this. Not on on_request_completed: Ray
+# also calls it when a replica turns the request away, and the request is then routed again.
+DECISION_TTL_S = 60.0
 MAX_DECISIONS = 10_000
 
 
@@ -167,9 +169,6 @@ class PrefixGateRouter(RequestRouter):
                 self._spawn(self.index.mark_inflight(fresh, rid, int(INFLIGHT_TTL_S * 1000)))
             if routed.route.session_id:
                 self._spawn(self.index.remember_session(routed.route.session_id, rid))
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._decisions.pop(internal_request_id, None)
 
     async def _decide(self, route: RouteRequest, by_id: dict[str, RunningReplica]) -> Routed:
         ids = list(by_id)

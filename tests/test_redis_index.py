@@ -263,3 +263,34 @@ def test_routers_share_what_they_just_sent(redis_url, prefix):
             await b.close()
 
     asyncio.run(scenario())
+
+
+def test_cleared_during_a_resync_is_not_lost(redis_url, prefix):
+    """The engine drops its cache (cleared()) after a resync took its snapshot but before the
+    resync finished: the stale snapshot must not stay in Redis (resync generations)."""
+    keys = RedisKeys(prefix)
+    client = sync_client(redis_url)
+
+    async def scenario():
+        a = FakeReplica(redis_url, prefix, "ra")
+        hashes = a.run(list(range(12)))  # cached before the publisher starts: in the first snapshot
+        original = a._snapshot
+        taken = []
+
+        def snapshot():
+            result = original()
+            if not taken:
+                taken.append(True)
+                a.bm.clear_cache()  # calls publisher.cleared() while this resync is under way
+            return result
+
+        a.publisher._snapshot = snapshot
+        a.publisher.start()
+        try:
+            await eventually(_async(lambda: a.publisher.stats.resyncs >= 2))
+            await eventually(_async(lambda: not client.exists(keys.blocks("ra"))))
+            assert not any(client.exists(keys.block(h)) for h in hashes)
+        finally:
+            await a.publisher.stop()
+
+    asyncio.run(scenario())
