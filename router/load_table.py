@@ -47,16 +47,12 @@ class LoadTable:
 
     def sample(self, replica_ids: list[str], k: int, exclude: set[str]) -> list[str]:
         """Up to k random replicas not in `exclude`: the ones scored for load alone."""
-        if k <= 0:
+        if k <= 0 or not replica_ids:
             return []
-        picks: list[str] = []
-        for _ in range(min(len(replica_ids), 4 * k)):  # bounded: never scans the fleet
-            rid = replica_ids[self.rng.randrange(len(replica_ids))]
-            if rid not in exclude and rid not in picks:
-                picks.append(rid)
-                if len(picks) == k:
-                    break
-        return picks
+        # k + |exclude| distinct draws (O(k), never a scan of the fleet) always leave k others
+        n = len(replica_ids)
+        draws = self.rng.sample(range(n), min(n, k + len(exclude)))
+        return [replica_ids[i] for i in draws if replica_ids[i] not in exclude][:k]
 
     def pessimistic(self) -> dict[str, int]:
         """Load to assume for a replica whose heartbeat is missing: as busy as the busiest known

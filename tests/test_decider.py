@@ -1,0 +1,82 @@
+"""What the router hands the policy (router.decider), as pure logic: which replicas get scored,
+how a missing heartbeat is read, how fallbacks are ranked. The load table is filled by hand
+(no Redis); its Redis side is tested in tests/test_redis_index.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from router.decider import Decider, InflightPrefixes
+from router.load_table import LoadTable
+from router.policy import RouteRequest, make_policy
+from router.redis_index import Lookup, RedisConfig, RedisIndex, ReplicaEntry
+
+BS = 16
+
+
+def _table(loads: dict[str, dict[str, int]]) -> LoadTable:
+    table = LoadTable(RedisIndex(RedisConfig("redis://127.0.0.1:1/0", timeout_s=0.01)), refresh_s=60.0, seed=0)
+    table._loads = loads
+    table.updated_at = time.monotonic()
+    return table
+
+
+def _load(running: int = 0, waiting: int = 0, pending: int = 0) -> dict[str, int]:
+    return {"running": running, "waiting": waiting, "pending_prefill_tokens": pending,
+            "free_blocks": 100, "cached_blocks": 0, "capacity_blocks": 100}
+
+
+def _score(decider: Decider, ids: list[str], look: Lookup, hashes: list[int] | None = None, tokens: int = 256):
+    route = RouteRequest(hashes or list(range(tokens // BS)), tokens, BS, None)
+
+    async def run():
+        try:
+            return decider.score(route, ids, look, lambda rid: 0)
+        finally:
+            await decider.loads.close()
+
+    return asyncio.run(run())
+
+
+def test_missing_heartbeat_is_never_idle():
+    """b's heartbeat expired (a stalled replica): it must not look cheaper than busy ones."""
+    table = _table({"a": _load(running=4, pending=900), "c": _load(running=2)})
+    decider = Decider(make_policy("affinity", seed=0), table, InflightPrefixes(3.0), sampled=4)
+    routed = _score(decider, ["a", "b", "c"], Lookup(None))
+    assert routed.decision.replica_id == "c"
+    assert routed.ranked[-1] == "b"  # ranked after the busiest known replica
+    assert table.pessimistic()["running"] == 4 and table.pessimistic()["waiting"] == 1
+
+
+def test_only_matched_session_and_sampled_replicas_are_scored():
+    ids = [f"r{i}" for i in range(200)]
+    table = _table({rid: _load() for rid in ids})
+    decider = Decider(make_policy("affinity", seed=0), table, InflightPrefixes(3.0), sampled=4)
+    look = Lookup("r150", {"r7": ReplicaEntry(10), "r9": ReplicaEntry(3)})
+    routed = _score(decider, ids, look)
+    assert {"r7", "r9", "r150"} <= set(routed.ranked)
+    assert len(routed.ranked) <= 3 + 4
+    assert routed.decision.replica_id == "r7"  # deepest match, equal loads
+
+
+def test_fallbacks_ranked_by_the_policys_cost():
+    ids = ["a", "b", "c", "d"]
+    table = _table({"a": _load(running=1), "b": _load(running=6), "c": _load(running=3), "d": _load()})
+    policy = make_policy("affinity", seed=0)
+    decider = Decider(policy, table, InflightPrefixes(3.0), sampled=4)
+    look = Lookup(None, {"a": ReplicaEntry(8)})
+    routed = _score(decider, ids, look)
+    route = RouteRequest(list(range(16)), 256, BS, None)
+    views = {v.replica_id: v for v in (decider._view(rid, routed.matched.get(rid, 0), 0, table.pessimistic()) for rid in ids)}
+    rest = routed.ranked[1:]
+    assert [policy.cost(route, views[r]) for r in rest] == sorted(policy.cost(route, views[r]) for r in rest)
+    assert routed.ranked[-1] == "b"
+
+
+def test_live_candidates_only():
+    """The index may still list a replica Ray no longer offers (dead, not yet collected)."""
+    table = _table({"a": _load(), "b": _load()})
+    decider = Decider(make_policy("affinity", seed=0), table, InflightPrefixes(3.0), sampled=4)
+    routed = _score(decider, ["a", "b"], Lookup("gone", {"gone": ReplicaEntry(16)}))
+    assert "gone" not in routed.ranked and routed.decision.replica_id in ("a", "b")
