@@ -63,6 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import httpx
 
     from gateway.stack import LocalStack
+    from gateway.startup import StackNotReady
     from replica.default_model import resolve_model
     from router.redis_index import redact
 
@@ -81,7 +82,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        stack.start()
+        try:
+            stack.start()
+        except StackNotReady as e:  # say which deployment or dependency is not ready, and why
+            print(f"[prefixgate] not ready: {e}", file=sys.stderr, flush=True)
+            return 1
         name = httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"]
         print(f"\n[prefixgate] serving {name} at {stack.url}/v1  (Redis: {redact(stack.config.redis_url)})")
         print("[prefixgate] try:\n"

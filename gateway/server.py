@@ -2,9 +2,9 @@
 
 It applies the chat template and tokenises once, validates everything it can before a replica
 sees the request (so bad input is a 4xx, never a 500 or a hang), admits up to a queue bound
-(beyond it: 429 with Retry-After), and streams the replica's tokens back as SSE. A replica
-that dies before sending a token is retried on another; one that dies mid-stream ends the
-stream with an error chunk.
+(beyond it: 429 with Retry-After), and streams the replica's tokens back as SSE. A request
+whose replica dies or drains is rerun on another replica, or continued there from the tokens
+already sent (gateway/migration.py); only when no replica can finish it does it get a 503.
 """
 
 
@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway import metrics as m
 from gateway.config import AppConfig
 from gateway.errors import APIError, bad_request, http_error
+from gateway.health import readiness
 from gateway.migration import MigrationPolicy, ResilientStream
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest, routing_session
 from gateway.request_run import RequestRun
@@ -92,6 +93,13 @@ def _openapi() -> dict:
 
 
 app.openapi = _openapi
+
+
+def _app_name() -> str | None:
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:
+        return None
 
 
 @serve.deployment
@@ -236,23 +244,16 @@ class Gateway:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "prefixgate"}]}
 
     @app.get("/health")
+    @app.get("/health/ready")
     async def health(self):
-        problems = []
-        if self.config.redis_url:
-            try:
-                if self._redis is None:
-                    from router.redis_index import connect
+        """Readiness from fresh state: 503 naming each missing dependency (gateway/health.py)."""
+        ready, body = await readiness(self, _app_name())
+        return JSONResponse(body, status_code=200 if ready else 503)
 
-                    self._redis = connect(self.config.redis_url, 1.0)
-                await asyncio.wait_for(self._redis.ping(), 1.0)
-            except Exception:
-                problems.append("redis unreachable")
-        try:
-            await asyncio.wait_for(self.replicas.info.remote(), 5.0)
-        except Exception:
-            problems.append("no replica answered")
-        status = 503 if problems else 200
-        return JSONResponse({"status": "unavailable" if problems else "ok", "problems": problems}, status_code=status)
+    @app.get("/health/live")
+    async def live(self):
+        """Liveness: this gateway's event loop answers (dependencies are /health's business)."""
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics(self):

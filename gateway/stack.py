@@ -10,6 +10,7 @@ import httpx
 
 from gateway.config import AppConfig
 from gateway.local_redis import LocalRedis
+from gateway.startup import StackNotReady, not_ready_report
 
 log = logging.getLogger("prefixgate.stack")
 APP_NAME = "prefixgate"
@@ -57,12 +58,16 @@ class LocalStack:
             config.redis_url = self.redis.url
         if name == APP_NAME:
             self.config = config
-        serve.run(build_app(config), name=name, route_prefix=route_prefix, blocking=False)
+        try:
+            serve.run(build_app(config), name=name, route_prefix=route_prefix, blocking=False)
+        except RuntimeError as e:  # DEPLOY_FAILED: say which deployment failed and why
+            raise StackNotReady(not_ready_report(timeout_s, str(e), config, name)) from None
         base = self.url + route_prefix.rstrip("/")
-        self.wait_ready(timeout_s, base, config)
+        self.wait_ready(timeout_s, base, config, name)
         return base
 
-    def wait_ready(self, timeout_s: float = 300.0, base: str | None = None, config: AppConfig | None = None) -> None:
+    def wait_ready(self, timeout_s: float = 300.0, base: str | None = None, config: AppConfig | None = None,
+                   name: str = APP_NAME) -> None:
         base = base or self.url
         config = config or self.config
         headers = {"authorization": f"Bearer {next(iter(config.api_keys))}"} if config.api_keys else {}
@@ -79,7 +84,7 @@ class LocalStack:
             except httpx.HTTPError as e:
                 last = repr(e)
             time.sleep(1.0)
-        raise TimeoutError(f"gateway not ready after {timeout_s:.0f}s: {last}")
+        raise StackNotReady(not_ready_report(timeout_s, last, config, name))
 
     def stop(self) -> None:
         import ray

@@ -1,0 +1,97 @@
+"""Health that tells the present: liveness, readiness with named causes, and why a stack that
+never became ready is not ready.
+
+Readiness is computed from fresh state on every probe: a failed Redis ping drops the pooled
+connection and tries once more on a new one (a probe right after a Redis restart reconnects
+instead of failing on the stale socket); a replica must answer `info`; and Serve's own view
+(application and deployment status, their messages) names what is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+log = logging.getLogger("prefixgate.health")
+
+
+async def check_redis(gw) -> str | None:
+    """None when Redis answers a ping; else the problem, naming the URL (password redacted)."""
+    from router.redis_index import connect, redact
+
+    url = gw.config.redis_url
+    error: Exception | None = None
+    for _ in range(2):  # the pooled connection may be stale (Redis restarted): reconnect once
+        try:
+            if gw._redis is None:
+                gw._redis = connect(url, 1.0)
+            await asyncio.wait_for(gw._redis.ping(), 1.0)
+            return None
+        except Exception as e:
+            error = e
+            stale, gw._redis = gw._redis, None
+            if stale is not None:
+                try:
+                    await asyncio.wait_for(stale.aclose(), 0.5)
+                except Exception:
+                    pass
+    return f"redis unreachable at {redact(url)}: {type(error).__name__}: {error}"
+
+
+async def check_replicas(gw) -> str | None:
+    try:
+        await asyncio.wait_for(gw.replicas.info.remote(), 5.0)
+        return None
+    except Exception as e:
+        return f"no replica answered: {type(e).__name__}: {e}"
+
+
+def serve_problems(app_name: str | None = None) -> list[str]:
+    """Serve's account of every application (or one) that is not RUNNING / HEALTHY: status,
+    message, and replica states of each unhealthy deployment. Empty when all is well."""
+    from ray import serve
+
+    problems: list[str] = []
+    for name, app in serve.status().applications.items():
+        if app_name is not None and name != app_name:
+            continue
+        if str(app.status).rsplit(".", 1)[-1] != "RUNNING":
+            problems.append(f"application {name!r}: {_status(app.status)}" + (f": {app.message}" if app.message else ""))
+        for dep_name, dep in app.deployments.items():
+            if _status(dep.status) != "HEALTHY":
+                states = ", ".join(f"{_status(k)}={v}" for k, v in (dep.replica_states or {}).items())
+                problems.append(
+                    f"deployment {name}/{dep_name}: {_status(dep.status)}"
+                    + (f" (replicas {states})" if states else "") + (f": {dep.message}" if dep.message else "")
+                )
+    return problems
+
+
+def _status(value) -> str:
+    return str(getattr(value, "value", value)).rsplit(".", 1)[-1]
+
+
+async def readiness(gw, app_name: str | None = None) -> tuple[bool, dict]:
+    """(ready, body) for /health: every problem named, each dependency's state reported."""
+    checks: dict[str, str] = {}
+    problems: list[str] = []
+    if gw.config.redis_url:
+        redis_problem = await check_redis(gw)
+        checks["redis"] = "ok" if redis_problem is None else "unreachable"
+        if redis_problem:
+            problems.append(redis_problem)
+    replica_problem = await check_replicas(gw)
+    checks["replicas"] = "ok" if replica_problem is None else "unavailable"
+    if replica_problem:
+        problems.append(replica_problem)
+    try:
+        serve_view = await asyncio.wait_for(asyncio.to_thread(serve_problems, app_name), 5.0)
+    except Exception as e:  # the controller is busy or away: say so, do not fail on it alone
+        serve_view = []
+        checks["serve"] = f"unknown ({type(e).__name__})"
+    else:
+        checks["serve"] = "ok" if not serve_view else "degraded"
+    problems += serve_view
+    # a degraded deployment with a replica that still answers is ready (it serves traffic)
+    ready = not any(checks[k] != "ok" for k in ("redis", "replicas") if k in checks)
+    return ready, {"status": "ok" if ready else "unavailable", "checks": checks, "problems": problems}
