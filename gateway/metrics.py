@@ -23,6 +23,8 @@ RETRIES = Metric("counter", "prefixgate_retries", "Requests retried on another r
 # A stream moved to another replica after tokens were sent (gateway/migration.py): outcome is
 # "resumed" when the new replica continued it, "failed" when no replica could.
 MIGRATIONS = Metric("counter", "prefixgate_migrations", "Streams moved to another replica mid-generation, by outcome", ["outcome"], local=True)
+MIGRATION_RECOMPUTED_TOKENS = Metric("counter", "prefixgate_migration_recomputed_tokens",
+                                     "Prompt + already-sent tokens a replica had to take over to continue a moved stream", local=True)
 
 
 def start() -> None:

@@ -129,6 +129,7 @@ class ResilientStream:
         rec = MigrationRecord(attempt, failure, sent, len(self.req.prompt_token_ids) + sent)
         self.migrations.append(rec)
         if sent:
+            _inc("MIGRATION_RECOMPUTED_TOKENS", amount=rec.recompute_tokens)
             log.warning("request %s: replica failed after %d tokens (%s); continuing elsewhere, "
                         "recomputing %d tokens", self.req.request_id, sent, failure, rec.recompute_tokens)
         else:

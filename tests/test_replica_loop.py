@@ -58,14 +58,19 @@ def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
             pending = asyncio.ensure_future(gen.__anext__())  # submits the request, waits for a token
             await _until(lambda: eng.step_started_at is not None and eng.steps_started == before + 1, "the prefill step")
             k = eng.steps_started  # the long step: started, not finished
+            step_began = eng.step_started_at
 
             def still_in_step() -> bool:
                 return eng.steps_started == k and eng.steps_finished == k - 1
 
+            t0 = time.perf_counter()
             stats = eng.stats()
+            t1 = time.perf_counter()
             assert still_in_step() and stats.waiting + stats.running == 1
             info = await replica.info()
+            t2 = time.perf_counter()
             await replica.check_health()
+            t3 = time.perf_counter()
             assert still_in_step(), "info/check_health waited for the step"
             assert info["stats"]["pending_prefill_tokens"] == len(prompt)
             # a heartbeat computed and written to Redis during the step
@@ -77,15 +82,20 @@ def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
             assert any(s == k and f == k - 1 for s, f in replica.heartbeats)
             assert still_in_step(), "the heartbeat waited for the step"
             # the client goes away: the abort is queued and the call returns during the step
+            t4 = time.perf_counter()
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
             await gen.aclose()
+            t5 = time.perf_counter()
             assert still_in_step(), "abort waited for the step"
             # after the step: the request is gone, its blocks freed, no decode step ever ran it
             await _until(lambda: eng.steps_finished >= k and eng.stats().running + eng.stats().waiting == 0,
                          "the abort to take effect")
             s = eng.stats()
             assert s.blocks_used == 0 and s.generated_tokens <= 1
+            step_s = time.monotonic() - step_began
+            print(f"\nduring a {step_s:.2f} s prefill step ({len(prompt)} tokens): stats {1e3 * (t1 - t0):.3f} ms, "
+                  f"info {1e3 * (t2 - t1):.2f} ms, check_health {1e3 * (t3 - t2):.2f} ms, abort {1e3 * (t5 - t4):.2f} ms")
             return k
         finally:
             await replica.__del__()
