@@ -10,6 +10,7 @@ import httpx
 
 from gateway.config import AppConfig
 from gateway.local_redis import LocalRedis
+from gateway.loopback import is_loopback, loopback_ray
 from gateway.startup import StackNotReady, not_ready_report
 
 log = logging.getLogger("prefixgate.stack")
@@ -42,7 +43,9 @@ class LocalStack:
                 ray.init(address=self.ray_address, log_to_driver=False)
             else:
                 extra = {"_metrics_export_port": self.metrics_port} if self.metrics_port else {}
-                ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False, **extra)
+                # A loopback --host keeps Ray's node on 127.0.0.1 too (docs/deploy.md, "What listens where").
+                with loopback_ray(is_loopback(self.host)):
+                    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False, **extra)
         serve.start(http_options={"host": self.host, "port": self.port})
         self.deploy(self.config, timeout_s)
         return self
@@ -97,3 +100,4 @@ class LocalStack:
                 ray.shutdown()
             if self.redis is not None:
                 self.redis.cleanup()
+

@@ -292,3 +292,49 @@ def kill_leftovers(workdir: Path) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return found
+
+
+# ---- (4) a local stack keeps to loopback ------------------------------------------------------
+def test_loopback_ray_switch_is_scoped(monkeypatch):
+    """Within loopback_ray() a Ray node started here takes 127.0.0.1 as its address; outside,
+    Ray's own resolution (the machine's address) and the environment are as they were."""
+    import ray
+    from ray._private import services
+
+    from gateway.loopback import SWITCH, is_loopback, loopback_ray
+
+    if ray.is_initialized():  # the session's stack answers for its own node: ask Ray's resolver
+        monkeypatch.setattr(ray._private.worker, "_global_node", None)
+    monkeypatch.delenv(SWITCH, raising=False)
+    with loopback_ray():
+        assert services.get_node_ip_address() == "127.0.0.1"
+        assert os.environ[SWITCH] == "0"  # inherited by the processes ray.init starts
+    assert SWITCH not in os.environ
+    outside = services.get_node_ip_address()  # this machine's address (ENVIRONMENT: not loopback)
+    with loopback_ray(enabled=False):
+        assert services.get_node_ip_address() == outside
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.10") and not is_loopback("example")
+
+
+def load_listeners():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("listeners", INFRA / "scripts" / "listeners.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_local_stack_listens_on_loopback_only(stack):
+    """The session's stack (LocalStack, host 127.0.0.1, as `prefixgate serve`): Ray's node is
+    127.0.0.1 and every socket its processes listen on (GCS, raylet, agents, workers, Serve's
+    proxy) is on loopback, as `ss -ltnp` reports them."""
+    import ray
+
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    rows = load_listeners().listeners(os.getpid())
+    assert any(x.port == stack.port for x in rows), rows  # Serve's HTTP proxy is in the tree
+    assert len(rows) >= 5, rows
+    assert [x for x in rows if not x.loopback] == []
