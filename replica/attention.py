@@ -6,7 +6,8 @@ the shared pool at `slot_mapping`, then attends each request's queries over that
 K/V gathered from the pool through its block table. Cached prefix blocks are read in place.
 
 Decode rows are grouped by context length (see DecodeGroup) so the K/V read per layer follows
-the real tokens; decode softmax runs in float32 also for bf16 pools. Models whose attention
+the real tokens, and blocks that every decode's context starts with (a shared system prompt
+hit in the prefix cache) are read once for the whole batch (cascade attention); decode softmax runs in float32 also for bf16 pools. Models whose attention
 needs what is not implemented here (soft-capping, sinks, a sliding window shorter than the
 context) are refused at load time with UnsupportedModelError.
 
@@ -27,14 +28,18 @@ PAGED_ATTENTION = "prefixgate_paged"
 
 @dataclass
 class KVPool:
-    """K and V for every layer: [num_layers, num_blocks * block_size, kv_heads, head_dim]."""
+    """K and V for every layer: [num_layers, kv_heads, num_blocks * block_size, head_dim].
+
+    Head-major, so a gather of whole blocks is already laid out [kv_heads, tokens, head_dim],
+    the shape attention multiplies: no second copy to reorder it.
+    """
 
     k: torch.Tensor
     v: torch.Tensor
 
     @classmethod
     def allocate(cls, layers: int, slots: int, kv_heads: int, head_dim: int, dtype, device) -> KVPool:
-        shape = (layers, slots, kv_heads, head_dim)
+        shape = (layers, kv_heads, slots, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
 
@@ -60,7 +65,7 @@ class DecodeGroup:
     start: int
     end: int
     block_tables: torch.Tensor  # [b, M] block ids of each row's context
-    mask: torch.Tensor | None  # [b, 1, 1, M * block_size] True where a slot is valid; None: all
+    mask: torch.Tensor | None  # [1, b, 1, M * block_size] True where a slot is valid; None: all
 
 
 @dataclass
@@ -71,6 +76,9 @@ class AttentionMetadata:
     block_size: int = 16
     num_decodes: int = 0  # the first num_decodes rows are single-token decodes
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # block ids every decode's context starts with (a shared system prompt): attended once for
+    # all decodes, then merged with each group's own suffix (cascade attention). None: no prefix.
+    decode_prefix_blocks: torch.Tensor | None = None
     max_context: int = 0  # longest context in the step (checked against a sliding window)
 
 
@@ -131,9 +139,8 @@ def paged_attention_forward(
         raise RuntimeError("paged attention called outside the engine's forward pass")
     _refuse_unimplemented(kwargs, meta)
     k_pool, v_pool = meta.pool.k[module.layer_idx], meta.pool.v[module.layer_idx]
-    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
-    k_pool.index_copy_(0, meta.slot_mapping, k_new)
-    v_pool.index_copy_(0, meta.slot_mapping, v_new)
+    k_pool.index_copy_(1, meta.slot_mapping, key[0])  # key: [1, KVH, T, D]
+    v_pool.index_copy_(1, meta.slot_mapping, value[0])
 
     q = query[0]  # [H, T, D]
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
@@ -143,16 +150,57 @@ def paged_attention_forward(
             ks = key[:, :, seg.q_start : seg.q_end]
             vs = value[:, :, seg.q_start : seg.q_end]
         else:
-            ks = k_pool.index_select(0, seg.kv_slots).transpose(0, 1).unsqueeze(0)
-            vs = v_pool.index_select(0, seg.kv_slots).transpose(0, 1).unsqueeze(0)
+            ks = k_pool.index_select(1, seg.kv_slots).unsqueeze(0)
+            vs = v_pool.index_select(1, seg.kv_slots).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=True
         )
         out[seg.q_start : seg.q_end] = o[0].transpose(0, 1)
-    for group in meta.decode_groups:
-        out[group.start : group.end] = _decode_attention(q[:, group.start : group.end], k_pool, v_pool, group,
-                                                         meta.block_size, scaling)
+    if meta.num_decodes:
+        _decode(q[:, : meta.num_decodes], k_pool, v_pool, meta, scaling, out)
     return out.unsqueeze(0), None
+
+
+def _decode(q: torch.Tensor, k_pool, v_pool, meta: AttentionMetadata, scaling: float | None, out: torch.Tensor) -> None:
+    """All decode rows: the shared prefix once (if any), each length group over its own blocks."""
+    h, _, d = q.shape
+    q = q.float() * (scaling if scaling is not None else d**-0.5)  # [H, B, D], scaled once
+    prefix = None
+    if meta.decode_prefix_blocks is not None:
+        prefix = _prefix_attention(q, k_pool, v_pool, meta.decode_prefix_blocks, meta.block_size)
+    for group in meta.decode_groups:
+        rows = q[:, group.start : group.end]
+        if prefix is None:
+            o = _decode_attention(rows, k_pool, v_pool, group, meta.block_size)
+        else:
+            o_s, lse_s = _decode_attention(rows, k_pool, v_pool, group, meta.block_size, with_lse=True)
+            o_p, lse_p = (t[:, group.start : group.end] for t in prefix)  # [KVH, b, G, (D)]
+            lse = torch.logaddexp(lse_p, lse_s)
+            o = o_p * (lse_p - lse).exp_().unsqueeze(-1) + o_s * (lse_s - lse).exp_().unsqueeze(-1)
+        b = group.end - group.start
+        out[group.start : group.end] = o.permute(1, 0, 2, 3).reshape(b, h, d).to(out.dtype)
+
+
+def _prefix_attention(q: torch.Tensor, k_pool, v_pool, blocks: torch.Tensor, block_size: int):
+    """Every decode row over the same prefix blocks: one matrix product per KV head, reading the
+    prefix once instead of once per sequence. Returns (out, lse) as [KVH, B, G, D], [KVH, B, G]."""
+    h, b, d = q.shape
+    kv_heads = k_pool.shape[0]
+    g = h // kv_heads
+    keys = k_pool.view(kv_heads, -1, block_size, d).index_select(1, blocks).view(kv_heads, -1, d).float()
+    values = v_pool.view(kv_heads, -1, block_size, d).index_select(1, blocks).view(kv_heads, -1, d).float()
+    queries = q.reshape(kv_heads, g * b, d)  # rows ordered (g, b)
+    o, lse = _softmax_attend(torch.matmul(queries, keys.transpose(-1, -2)), values)
+    return o.view(kv_heads, g, b, d).transpose(1, 2), lse.view(kv_heads, g, b).transpose(1, 2)
+
+
+def _softmax_attend(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scores) @ values and the log-sum-exp of the scores (to merge partial results)."""
+    m = scores.amax(dim=-1, keepdim=True)
+    e = scores.sub_(m).exp_()
+    total = e.sum(dim=-1, keepdim=True)
+    o = torch.matmul(e, values).div_(total)
+    return o, (m + total.log()).squeeze(-1)
 
 
 def _refuse_unimplemented(kwargs: dict, meta: AttentionMetadata) -> None:
@@ -165,29 +213,27 @@ def _refuse_unimplemented(kwargs: dict, meta: AttentionMetadata) -> None:
         raise UnsupportedModelError(f"context of {meta.max_context} tokens exceeds the sliding window of {window}")
 
 
-def _decode_attention(q: torch.Tensor, k_pool, v_pool, group: DecodeGroup, block_size: int,
-                      scaling: float | None) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k_pool, v_pool, group: DecodeGroup, block_size: int, with_lse: bool = False):
     """One query token per sequence over its paged context, for one group of rows at once.
 
     Whole blocks are gathered (a few large copies rather than one per token), and grouped-query
     heads are handled by reshaping the queries to [kv_heads, group] instead of expanding K/V.
-    Scores, softmax and the weighted sum run in float32 whatever the pool's dtype (bf16 scores
-    would be rounded before the softmax). q: [H, b, D] -> returns [b, H, D].
+    q: [H, b, D], float32 and already scaled. Returns [KVH, b, G, D] float32 (and the
+    log-sum-exp [KVH, b, G] with with_lse): scores and softmax stay in float32 whatever the
+    pool's dtype, since bf16 scores would be rounded before the softmax.
     """
     h, b, d = q.shape
-    kv_heads = k_pool.shape[1]
+    kv_heads = k_pool.shape[0]
     tables = group.block_tables.view(-1)
-    blocks_k = k_pool.view(-1, block_size, kv_heads, d).index_select(0, tables)
-    blocks_v = v_pool.view(-1, block_size, kv_heads, d).index_select(0, tables)
-    keys = blocks_k.view(b, -1, kv_heads, d).permute(0, 2, 3, 1).float()  # [b, KVH, D, L]
-    values = blocks_v.view(b, -1, kv_heads, d).transpose(1, 2).float()  # [b, KVH, L, D]
-    queries = q.transpose(0, 1).reshape(b, kv_heads, h // kv_heads, d).float()  # [b, KVH, G, D]
-    scores = torch.matmul(queries, keys)
-    scores.mul_(scaling if scaling is not None else d**-0.5)
+    keys = k_pool.view(kv_heads, -1, block_size, d).index_select(1, tables).view(kv_heads, b, -1, d).float()
+    values = v_pool.view(kv_heads, -1, block_size, d).index_select(1, tables).view(kv_heads, b, -1, d).float()
+    queries = q.view(kv_heads, h // kv_heads, b, d).transpose(1, 2)  # [KVH, b, G, D]
+    scores = torch.matmul(queries, keys.transpose(-1, -2))  # [KVH, b, G, L]
     if group.mask is not None:
         scores.masked_fill_(~group.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, values).reshape(b, h, d).to(q.dtype)
+    if with_lse:
+        return _softmax_attend(scores, values)
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
 
 
 def plan_decode_groups(lengths: list[int], slack: float = 2.0) -> list[tuple[int, int]]:

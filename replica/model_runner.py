@@ -118,9 +118,12 @@ class ModelRunner:
             prefills=segments, block_size=bs, num_decodes=len(decodes),
             max_context=max((c.end for c in chunks), default=0),
         )
-        lengths = [c.end for c in decodes]
+        shared = _common_prefix_blocks(decodes, bs)
+        if shared:
+            meta.decode_prefix_blocks = torch.tensor(decodes[0].seq.table.block_ids[:shared], dtype=torch.long).to(self.device)
+        lengths = [c.end - shared * bs for c in decodes]  # what each row attends beyond the prefix
         for start, end in attention.plan_decode_groups(lengths):
-            meta.decode_groups.append(self._decode_group(decodes, lengths, start, end))
+            meta.decode_groups.append(self._decode_group(decodes, lengths, start, end, shared))
         return (
             torch.tensor([ids], device=self.device),
             torch.tensor([positions], device=self.device),
@@ -128,19 +131,22 @@ class ModelRunner:
             torch.tensor(sample_rows, dtype=torch.long, device=self.device),
         )
 
-    def _decode_group(self, decodes: list[ScheduledChunk], lengths: list[int], start: int, end: int) -> DecodeGroup:
-        """Block tables (padded with block 0) and, if lengths differ, the valid-slot mask."""
+    def _decode_group(
+        self, decodes: list[ScheduledChunk], lengths: list[int], start: int, end: int, skip: int
+    ) -> DecodeGroup:
+        """Block tables past the `skip` shared blocks (padded with block 0) and, if lengths
+        differ, the valid-slot mask."""
         bs = self.block_size
         width = -(-lengths[end - 1] // bs)
         rows = []
         for c in decodes[start:end]:
-            table = c.seq.table.block_ids[:width]
+            table = c.seq.table.block_ids[skip : skip + width]
             rows.append(table + [0] * (width - len(table)))
         tables = torch.tensor(rows, dtype=torch.long)
         mask = None
         if any(n != width * bs for n in lengths[start:end]):
             valid = torch.arange(width * bs)[None, :] < torch.tensor(lengths[start:end])[:, None]
-            mask = valid[:, None, None, :].to(self.device)
+            mask = valid[None, :, None, :].to(self.device)
         return DecodeGroup(start, end, tables.to(self.device), mask)
 
     @torch.inference_mode()
@@ -158,3 +164,21 @@ class ModelRunner:
         finally:
             attention.set_metadata(None)
         return out.logits[0].float()
+
+
+def _common_prefix_blocks(decodes: list[ScheduledChunk], block_size: int) -> int:
+    """How many leading blocks every decode's table shares (the same physical blocks: a prefix
+    hit). Each row's current token is never in a shared block, so its suffix is never empty."""
+    if len(decodes) < 2:
+        return 0
+    first = decodes[0].seq.table.block_ids
+    n = min((c.end - 1) // block_size for c in decodes)
+    for c in decodes[1:]:
+        table = c.seq.table.block_ids
+        i = 0
+        while i < n and table[i] == first[i]:
+            i += 1
+        n = i
+        if n == 0:
+            break
+    return n

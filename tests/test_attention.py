@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replica import attention
-from replica.attention import DecodeGroup, KVPool, UnsupportedModelError
+from replica.attention import AttentionMetadata, DecodeGroup, KVPool, UnsupportedModelError
 from replica.engine import LLMEngine, SamplingParams
 
 
@@ -39,33 +39,61 @@ def _dense_reference(q, k_ctx, v_ctx, scale):
     return torch.einsum("hl,hld->hd", probs, v)
 
 
+@pytest.mark.parametrize("shared", [0, 3])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_grouped_decode_matches_dense_attention(dtype, tol):
+def test_grouped_decode_matches_dense_attention(dtype, tol, shared):
+    """Mixed lengths in scattered blocks; with `shared`, every row starts with the same 3 blocks
+    (a cached system prompt), attended once and merged with each row's own suffix."""
     torch.manual_seed(0)
     bs, heads, kv_heads, d = 4, 8, 2, 16
-    lengths = [3, 5, 8, 9, 30, 64, 201]
-    blocks_each = [-(-n // bs) for n in lengths]
-    pool = KVPool.allocate(1, sum(blocks_each) * bs + bs, kv_heads, d, dtype, "cpu")
+    lengths = [shared * bs + n for n in (3, 5, 8, 9, 30, 64, 201)]
+    own_blocks = [-(-n // bs) - shared for n in lengths]
+    total = shared + sum(own_blocks)
+    pool = KVPool.allocate(1, total * bs, kv_heads, d, dtype, "cpu")  # [1, KVH, slots, D]
     pool.k.normal_()
     pool.v.normal_()
-    perm = torch.randperm(sum(blocks_each)).tolist()  # scattered blocks, as in a busy pool
-    tables, at = [], 0
-    for n in blocks_each:
-        tables.append(perm[at : at + n])
+    perm = torch.randperm(total).tolist()  # scattered blocks, as in a busy pool
+    prefix, at = perm[:shared], shared
+    tables = []
+    for n in own_blocks:
+        tables.append(prefix + perm[at : at + n])
         at += n
     q = torch.randn(heads, len(lengths), d).to(dtype)
     scale = d**-0.5
+    meta = AttentionMetadata(pool=pool, slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs,
+                             num_decodes=len(lengths))
+    if shared:
+        meta.decode_prefix_blocks = torch.tensor(prefix)
+    suffix = [n - shared * bs for n in lengths]
+    for start, end in attention.plan_decode_groups(suffix):
+        width = -(-suffix[end - 1] // bs)
+        rows = [t[shared:] + [0] * (width - len(t) + shared) for t in tables[start:end]]
+        valid = torch.arange(width * bs)[None, :] < torch.tensor(suffix[start:end])[:, None]
+        meta.decode_groups.append(DecodeGroup(start, end, torch.tensor(rows), valid[None, :, None, :]))
     out = torch.empty(len(lengths), heads, d, dtype=dtype)
-    for start, end in attention.plan_decode_groups(lengths):
-        width = blocks_each[end - 1]
-        rows = [t + [0] * (width - len(t)) for t in tables[start:end]]
-        valid = torch.arange(width * bs)[None, :] < torch.tensor(lengths[start:end])[:, None]
-        group = DecodeGroup(start, end, torch.tensor(rows), valid[:, None, None, :])
-        out[start:end] = attention._decode_attention(q[:, start:end], pool.k[0], pool.v[0], group, bs, scale)
+    attention._decode(q, pool.k[0], pool.v[0], meta, scale, out)
     for i, n in enumerate(lengths):
         slots = torch.tensor([b * bs + o for b in tables[i] for o in range(bs)][:n])
-        ref = _dense_reference(q[:, i], pool.k[0][slots], pool.v[0][slots], scale)
+        ref = _dense_reference(q[:, i], pool.k[0][:, slots].transpose(0, 1), pool.v[0][:, slots].transpose(0, 1), scale)
         assert torch.allclose(out[i].double(), ref, atol=tol, rtol=tol), (i, (out[i].double() - ref).abs().max())
+
+
+def test_shared_prefix_is_found_and_bounded():
+    """The runner finds the blocks all decodes share, never including a row's current token."""
+    from replica.model_runner import _common_prefix_blocks
+    from replica.scheduler import ScheduledChunk
+    from replica.sequence import Sequence
+
+    def chunk(blocks, n):
+        seq = Sequence(list(range(n)), SamplingParams(), hash_seed=0)
+        seq.table.block_ids = blocks
+        return ScheduledChunk(seq, n - 1, n)
+
+    assert _common_prefix_blocks([chunk([1, 2, 3, 7], 14), chunk([1, 2, 3, 8], 13)], 4) == 3
+    assert _common_prefix_blocks([chunk([1, 2, 9], 9), chunk([1, 2, 3, 8], 13)], 4) == 2
+    assert _common_prefix_blocks([chunk([1, 2, 3], 12), chunk([1, 2, 3, 8], 13)], 4) == 2  # 12th token is current
+    assert _common_prefix_blocks([chunk([5, 2], 8), chunk([1, 2], 8)], 4) == 0
+    assert _common_prefix_blocks([chunk([1, 2, 3], 12)], 4) == 0  # one row: nothing to share
 
 
 def _save(config, tmp_path) -> str:
