@@ -28,6 +28,8 @@ from router.sim.trace import load_rows, scale_rows, scale_service, split_fitting
 from router.sim.workload import SimRequest, distinct_blocks
 
 MAX_STEP_LAG = 0.10  # a live run whose replicas fall further behind the model is invalid
+MAX_FALLBACK = 0.02  # nor one whose routers decided this often without the index (Redis lookups
+# timing out because the gateway process did not get the CPU: the machine, not the design)
 FLEET_POLICIES = ("affinity", "pow2", "random", "least-loaded", "ray-prefix")
 
 
@@ -151,9 +153,15 @@ def live_run(url: str, spec: FleetSpec, s: RunSettings, policy: str, requests: l
     hbs = read_heartbeats(redis_url, key_prefix) if redis_url and key_prefix else []
     result = live_result(policy, requests, records, s)
     result.step_lag = worst_step_lag(hbs)
-    result.valid = result.step_lag is None or result.step_lag <= MAX_STEP_LAG
+    fallback = result.reasons.get("fallback", 0) / max(sum(result.reasons.values()), 1)
+    result.valid = (result.step_lag is None or result.step_lag <= MAX_STEP_LAG) and (
+        policy == "random" or fallback <= MAX_FALLBACK)  # random's every decision is "fallback"
     result.decision_p50_s, result.decision_p99_s = decision_time(url)
     return result
+
+
+def _key_prefix(s: RunSettings, policy: str) -> str:
+    return f"fleet-{uuid.uuid4().hex[:8]}-{s.replicas}-{policy}"
 
 
 def run_one(stack, spec: FleetSpec, s: RunSettings, policy: str, requests: list[SimRequest],
@@ -165,7 +173,7 @@ def run_one(stack, spec: FleetSpec, s: RunSettings, policy: str, requests: list[
     from gateway.stack import APP_NAME
 
     name = name or APP_NAME
-    prefix = f"fleet-{uuid.uuid4().hex[:8]}-{s.replicas}-{policy}"
+    prefix = _key_prefix(s, policy)
     config = app_config(spec, s, policy, stack.config.redis_url, prefix)
     t0 = time.time()
     if name in serve.status().applications:
@@ -191,12 +199,15 @@ def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], Non
                 print(f"[fleet] {dropped} of {len(requests)} rows do not fit {s.capacity_blocks} blocks: "
                       "dropped from both live and simulated runs", file=sys.stderr)
             for policy in spec.policies:
-                if stack is None:  # Ray, Serve and Redis once; the first run's app replaced like the rest
+                if stack is None:  # Ray, Serve and Redis once, with the first run's app
                     t0 = time.time()
-                    stack = LocalStack(app_config(spec, s, policy, redis_url, "fleet-boot"), port=free_port(),
+                    prefix = _key_prefix(s, policy)
+                    stack = LocalStack(app_config(spec, s, policy, redis_url, prefix), port=free_port(),
                                        ray_address=ray_address).start()
                     print(f"[fleet] stack up with {n} sim replicas in {time.time() - t0:.0f}s", file=sys.stderr)
-                live = run_one(stack, spec, s, policy, kept)
+                    live = live_run(stack.url, spec, s, policy, kept, stack.config.redis_url, prefix)
+                else:
+                    live = run_one(stack, spec, s, policy, kept)
                 sim = sim_result(policy, kept, s, spec.service)
                 pairs.append((live, sim))
                 if on_pair:

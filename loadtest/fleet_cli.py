@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import time
 from pathlib import Path
+
+import httpx
+import redis
 
 from loadtest.fleet import (
     FLEET_POLICIES,
@@ -79,7 +83,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     s, kept, dropped = settings_for(spec, requests, args.replicas)
     print(_header(spec, s, len(kept), dropped, *oracles(kept, s)), flush=True)
     t0 = time.time()
-    live = live_run(args.url.rstrip("/"), spec, s, args.policy, kept, args.redis_url, args.key_prefix)
+    try:
+        live = live_run(args.url.rstrip("/"), spec, s, args.policy, kept, args.redis_url, args.key_prefix)
+    except (httpx.HTTPError, redis.RedisError) as e:
+        print(f"prefixgate loadtest trace: {args.url}: {e!r}", file=sys.stderr)
+        return 2
     sim = sim_result(args.policy, kept, s, spec.service)
     print(f"[trace] replayed in {time.time() - t0:.0f}s; TTFTs in model seconds")
     print(format_side_by_side([(live, sim)]))
@@ -100,6 +108,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         print(format_side_by_side([(live, sim)]).splitlines()[-1], flush=True)
         save_json(pairs, spec, args.json or out / "fleet.json")
 
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and kill: stop the stack we started
     requests = workload(spec)
     for n in spec.replicas:
         s, kept, dropped = settings_for(spec, requests, n)
@@ -117,6 +126,29 @@ def cmd_fleet(args: argparse.Namespace) -> int:
                            f"block {spec.block_size}, max output {spec.max_output}")
     print(f"[fleet] {args.json or out / 'fleet.json'}, {png}")
     return 0 if all(a.errors == 0 and a.valid for a, _ in pairs) else 1
+
+
+def _load_pairs(paths: list[Path]) -> tuple[list[dict], list[tuple[FleetResult, FleetResult]]]:
+    names = {f.name for f in dataclasses.fields(FleetResult)}
+    runs = [run for p in paths for run in json.loads(Path(p).read_text())["runs"]]
+    pairs = [tuple(FleetResult(**{k: v for k, v in r[side].items() if k in names}) for side in ("live", "sim"))
+             for r in runs]
+    return runs, pairs
+
+
+def cmd_fleet_report(args: argparse.Namespace) -> int:
+    """One table and one PNG from several fleet.json files (e.g. one stack run per policy)."""
+    runs, pairs = _load_pairs(args.results)
+    print(format_side_by_side(pairs))
+    if args.plot:
+        from loadtest.fleet_plot import plot_fleet
+
+        print(f"[fleet] {plot_fleet(runs, args.plot, title=args.title)}")
+    return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def add_parsers(sub) -> None:
@@ -141,3 +173,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: <out>/fleet.png)")
     _rows_args(p)
     p.set_defaults(fn=cmd_fleet)
+
+    p = sub.add_parser("fleet-report", help="one table (and PNG) from several fleet.json files")
+    p.add_argument("results", nargs="+", type=Path)
+    p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--title", default=None)
+    p.set_defaults(fn=cmd_fleet_report)

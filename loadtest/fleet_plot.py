@@ -28,7 +28,7 @@ def plot_fleet(runs: list[dict], path: str | Path, title: str | None = None) -> 
                 ax.plot(xs, ys, style, color=c, label=f"{policy} ({side})")
         if key == "hit_rate":
             pooled = sorted({(r["live"]["replicas"], r["live"]["oracle_pooled"]) for r in runs})
-            ax.plot([p[0] for p in pooled], [p[1] * 100 for p in pooled], ":", color="black", label="pooled-LRU oracle")
+            ax.plot([p[0] for p in pooled], [p[1] * 100 for p in pooled], ":s", color="black", label="pooled-LRU oracle")
         ax.set_xlabel("replicas")
         ax.set_ylabel(label)
         ax.set_xticks(sorted({r["live"]["replicas"] for r in runs}))

@@ -174,6 +174,6 @@ def format_side_by_side(pairs: list[tuple[FleetResult, FleetResult | None]]) -> 
             f"{_f(live.imbalance_p95, '{:.2f}') + '/' + _f(sim and sim.imbalance_p95, '{:.2f}'):>16}"
             f"{_f(live.request_share_max, '{:.0%}'):>8}{live.errors:>5}{_f(live.step_lag, '{:.0%}'):>7}"
             f"{_f(live.decision_p50_s and live.decision_p50_s * 1e3, '{:.2f}') + '/' + _f(live.decision_p99_s and live.decision_p99_s * 1e3, '{:.2f}'):>18}"
-            f"  {reasons}{'' if live.valid else '  INVALID (step lag > 10%)'}"
+            f"  {reasons}{'' if live.valid else '  INVALID (step lag > 10% or routers starved)'}"
         )
     return "\n".join(lines)

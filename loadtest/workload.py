@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from router.sim.trace import TOKEN_ID_RANGE, TRACE_BLOCK_TOKENS, block_tokens  # noqa: F401 (re-exported)
+
 # Common English words, each a single token (with its leading space) in SmolLM2's tokenizer, so
 # "N words" is N prompt tokens there and close to it for other BPE tokenizers.
 WORDS = """
@@ -36,8 +38,6 @@ stay leave start stop turn follow create design measure explain describe compare
 improve protect support
 """.split()
 
-TRACE_BLOCK_TOKENS = 512  # Mooncake: one hash id stands for 512 prompt tokens
-TOKEN_ID_RANGE = (1000, 40000)  # ordinary BPE tokens of the default model; clear of special ids
 
 
 def rng_for(*parts: object) -> random.Random:
@@ -86,10 +86,9 @@ class TraceSpec:
 
 
 def hash_block(seed: int, hash_id: int, n: int) -> list[int]:
-    """The synthetic token block for one trace hash id: equal ids give equal tokens."""
-    rng = rng_for(seed, "block", hash_id)
-    lo, hi = TOKEN_ID_RANGE
-    return [rng.randrange(lo, hi) for _ in range(n)]
+    """The synthetic token block for one trace hash id: equal ids give equal tokens. The one
+    mapping the fleet replay and the simulator use too (router/sim/trace.py)."""
+    return block_tokens(hash_id, n, seed)
 
 
 def scale_row(row: dict, index: int, spec: TraceSpec, t0_ms: float) -> TraceRequest:
