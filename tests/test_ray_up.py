@@ -164,6 +164,15 @@ def node_python(workdir: Path) -> tuple[str, str]:
     return str(copy_ / "bin" / ver), str(copy_ / "lib")
 
 
+def load_listeners():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("listeners", ROOT / "infra" / "scripts" / "listeners.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def redis_env(node: Node) -> dict[str, str]:
     path = node.home / ".prefixgate" / "redis.env"
     return dict(line.split("=", 1) for line in path.read_text().split())
@@ -231,6 +240,8 @@ def test_ray_up_onprem_cluster_serves_chat_with_locked_redis(default_model_dir):
             f"export PREFIXGATE_RAY_START_ARGS='{start_args}'",
             f"export RAY_TMPDIR={node.home}/t",
             "export RAY_USAGE_STATS_ENABLED=0 RAY_enable_worker_prestart=0",
+            # A one-node cluster on one machine: Ray's single-machine switch keeps it on 127.0.0.1.
+            "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0",
             "",
         ])
         node.create(bashrc)
@@ -310,6 +321,21 @@ def test_ray_up_onprem_cluster_serves_chat_with_locked_redis(default_model_dir):
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
         # The replica reached Redis with the password: its heartbeat and blocks are there.
         assert any(True for _ in authed.scan_iter(match=f"{args['key_prefix']}*", count=1000))
+
+        # What listens where on the "cluster": Redis on its bind address, the dashboard (and
+        # the REST API `serve deploy` uses) on loopback only.
+        names = {}
+        for proc in node.processes():
+            try:
+                names[proc.pid] = " ".join(proc.cmdline())[:60] or proc.name()
+            except psutil.Error:
+                pass
+        rows = load_listeners().listening(names)
+        for x in rows:
+            print(f"[ray-up test] listening {x.address}:{x.port} {x.name}")
+        by_port = {x.port: x for x in rows}
+        assert by_port[ports["redis"]].address == "127.0.0.1"
+        assert by_port[ports["dashboard"]].loopback, by_port[ports["dashboard"]]
 
         # The password is in no file of the repo or of the synced checkout, in no Serve config
         # file, and in no config Serve keeps (it stores redis_url unexpanded).

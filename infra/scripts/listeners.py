@@ -46,7 +46,11 @@ def tree(pid: int) -> dict[int, str]:
 
 
 def listeners(pid: int) -> list[Listener]:
-    pids = tree(pid)
+    return listening(tree(pid))
+
+
+def listening(pids: dict[int, str]) -> list[Listener]:
+    """The listening TCP sockets of these processes (pid -> name)."""
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
     found = set()
     for line in out.splitlines():
