@@ -103,14 +103,18 @@ def test_redis_start_script_locks_redis_down(tmp_path):
            "PREFIXGATE_REDIS_PORT": str(port)}
     start, stop = (str(INFRA / "scripts" / s) for s in ("redis-start.sh", "redis-stop.sh"))
     try:
-        passwords = []
+        passwords, pids, outputs = [], [], []
         for _ in range(2):
             run = subprocess.run(["bash", start], env=env, capture_output=True, text=True, timeout=60)
             assert run.returncode == 0, run.stderr
             secret = dict(ln.split("=", 1) for ln in (tmp_path / ".prefixgate" / "redis.env").read_text().split())
             passwords.append(secret["PREFIXGATE_REDIS_PASSWORD"])
+            pids.append(int((tmp_path / ".prefixgate" / "redis.pid").read_text()))
+            outputs.append(run.stderr)
         first = passwords[0]
-        assert passwords == [first, first] and len(first) == 64 and secret == {"PREFIXGATE_REDIS_PASSWORD": first,
+        assert passwords == [first, first] and len(first) == 64
+        # The second run (`ray up --no-restart`) keeps the running server, and so the index.
+        assert pids[0] == pids[1] and "already running" in outputs[1] and secret == {"PREFIXGATE_REDIS_PASSWORD": first,
                                                "PREFIXGATE_REDIS_HOST": "127.0.0.1",
                                                "PREFIXGATE_REDIS_PORT": str(port)}
         assert first not in run.stdout + run.stderr

@@ -45,7 +45,7 @@ PREFIXGATE_REDIS_PASSWORD=$PASSWORD
 PREFIXGATE_REDIS_HOST=$BIND
 PREFIXGATE_REDIS_PORT=$PORT
 ENV
-cat > "$DIR/redis.conf" <<CONF
+cat > "$DIR/redis.conf.new" <<CONF
 bind $BIND
 port $PORT
 protected-mode yes
@@ -56,7 +56,15 @@ dir $DIR
 pidfile $DIR/redis.pid
 logfile $DIR/redis.log
 CONF
-chmod 600 "$DIR/redis.env" "$DIR/redis.conf"
+chmod 600 "$DIR/redis.env" "$DIR/redis.conf.new"
+answers() { [ "$(REDISCLI_AUTH=$PASSWORD redis-cli -h "$BIND" -p "$PORT" --no-auth-warning ping 2>/dev/null)" = PONG ]; }
+# Same settings and already answering (e.g. `ray up --no-restart`): keep it, and the index.
+if cmp -s "$DIR/redis.conf.new" "$DIR/redis.conf" && answers; then
+  rm -f "$DIR/redis.conf.new"
+  log "already running on $BIND:$PORT with these settings"
+  exit 0
+fi
+mv "$DIR/redis.conf.new" "$DIR/redis.conf"
 
 if [ "$(ps -p 1 -o comm= 2>/dev/null)" = systemd ] && $SUDO true 2>/dev/null; then
   $SUDO tee /etc/systemd/system/prefixgate-redis.service >/dev/null <<UNIT
@@ -87,7 +95,7 @@ fi
 
 # Ready when it answers PONG to an authenticated client (REDISCLI_AUTH: not on the command line).
 for _ in $(seq 100); do
-  if [ "$(REDISCLI_AUTH=$PASSWORD redis-cli -h "$BIND" -p "$PORT" --no-auth-warning ping 2>/dev/null)" = PONG ]; then
+  if answers; then
     log "listening on $BIND:$PORT, password in $DIR/redis.env"
     exit 0
   fi
