@@ -1,6 +1,6 @@
 """response_format enforced by constrained decoding: xgrammar grammars applied as a token bitmask.
 
-A request's JSON schema is compiled once (and cached by its canonical text, so a client that sends
+A request's JSON schema is compiled once (and cached by its JSON text, so a client that sends
 the same schema again pays nothing); each request then gets its own matcher, which says which tokens
 may come next and follows the tokens actually sampled. xgrammar is imported on the first
 constrained request, so engines that never see one never load it.
@@ -57,7 +57,7 @@ class Grammars:
         else:
             raise GrammarError(f"response_format type {kind!r} is not a constraint")
         try:
-            text = json.dumps(schema, sort_keys=True, allow_nan=False)
+            text = json.dumps(schema, allow_nan=False)  # key order kept: it is the generation order
         except (TypeError, ValueError) as e:
             raise GrammarError(f"response_format schema is not plain JSON: {e}") from None
         key = f"{kind}:{text}"

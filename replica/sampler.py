@@ -167,60 +167,84 @@ class Sampler:
         scores[idx] = sub
 
     def _sample_rows(self, scores: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-        """Temperature, top-k, top-p, then one draw per row (exponential race: argmax p/q with
-        q ~ Exp(1) picks token t with probability p_t, and lets every row use its own generator)."""
-        device = scores.device
+        """Temperature, top-k, top-p, then one draw per row. Rows with a top-k cut work on their
+        best candidates only (one topk, already sorted for top-p); the others on the vocabulary."""
         params = [r.params for r in rows]
-        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        probs = torch.softmax(_top_k(scores / temps, params), dim=-1)
-        probs = _top_p(probs, params)
+        out = torch.empty(len(rows), dtype=torch.long, device=scores.device)
+        for group in _groups(params, scores.shape[-1]):
+            idx = torch.tensor(group, device=scores.device)
+            sub = scores[idx]
+            probs, ids = _distribution(sub, [params[j] for j in group])
+            pos = self._draw(probs, [rows[j] for j in group])
+            chosen = ids.gather(1, pos.unsqueeze(1)).squeeze(1) if ids is not None else pos
+            # a degenerate distribution (all masked, NaN) must not fail the step: fall back to argmax
+            ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+            out[idx] = torch.where(ok, chosen, sub.argmax(dim=-1))
+        return out
+
+    def _draw(self, probs: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Exponential race: argmax(p / q), q ~ Exp(1), picks index t with probability p_t, and
+        lets every seeded row draw its q from its own generator."""
+        device = probs.device
         noise = torch.empty_like(probs)
-        seeded = [j for j, p in enumerate(params) if p.seed is not None]
-        unseeded = [j for j, p in enumerate(params) if p.seed is None]
+        seeded = [j for j, r in enumerate(rows) if r.params.seed is not None]
+        unseeded = [j for j, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
-            shared = torch.empty((len(unseeded), probs.shape[1]), device=device)
+            shared = torch.empty((len(unseeded), probs.shape[1]), device=device, dtype=probs.dtype)
             shared.exponential_(generator=self._shared_generator(device))
             noise[torch.tensor(unseeded, device=device)] = shared
         for j in seeded:
-            noise[j].exponential_(generator=self._generator(rows[j].request_id, params[j].seed, device))
+            noise[j].exponential_(generator=self._generator(rows[j].request_id, rows[j].params.seed, device))
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a drawn 0 would make 0/0 = NaN win argmax
-        chosen = (probs / noise).argmax(dim=-1)
-        # a degenerate distribution (all masked, NaN) must not fail the step: fall back to argmax
-        ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
-        return torch.where(ok, chosen, scores.argmax(dim=-1))
+        return (probs / noise).argmax(dim=-1)
 
 
 def probabilities(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution rows are drawn from (after temperature, top-k, top-p): for tests."""
-    temps = torch.tensor([p.temperature for p in params], device=scores.device).unsqueeze(1)
-    return _top_p(torch.softmax(_top_k(scores.float() / temps, params), dim=-1), params)
+    """The [N, V] distribution each row is drawn from (after temperature, top-k, top-p), computed
+    by the sampler's own code path: for tests."""
+    scores = scores.float()
+    out = torch.zeros_like(scores)
+    for group in _groups(params, scores.shape[-1]):
+        idx = torch.tensor(group, device=scores.device)
+        probs, ids = _distribution(scores[idx], [params[j] for j in group])
+        out[idx] = probs if ids is None else torch.zeros_like(scores[idx]).scatter_(1, ids, probs)
+    return out
 
 
-def _top_k(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Top-k as a -inf cut below each row's k-th largest score (rows without a cut keep all)."""
-    vocab = scores.shape[-1]
+def _groups(params: list[SamplingParams], vocab: int) -> list[list[int]]:
+    """Row indices with a top-k cut, and those without (each group handled in one batch)."""
+    cut = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
+    full = [j for j, p in enumerate(params) if not 0 < p.top_k < vocab]
+    return [g for g in (cut, full) if g]
+
+
+def _distribution(scores: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(probs, ids): rows that all have a top-k cut get probabilities over their kmax best
+    candidates (ids maps them back to tokens); rows without get them over the vocabulary (ids None)."""
+    device, vocab = scores.device, scores.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    if not any(ks):
-        return scores
-    kmax = max(ks)
-    top = scores.topk(kmax, dim=-1).values
-    pick = torch.tensor([max(k, 1) - 1 for k in ks], device=scores.device).unsqueeze(1)
-    kth = top.gather(1, pick)
-    kth = torch.where(torch.tensor(ks, device=scores.device).unsqueeze(1) > 0, kth, torch.full_like(kth, -torch.inf))
-    return scores.masked_fill(scores < kth, float("-inf"))
+    if all(ks):
+        values, ids = scores.topk(max(ks), dim=-1)  # sorted, best first
+        beyond = torch.arange(values.shape[1], device=device).unsqueeze(0) >= torch.tensor(ks, device=device).unsqueeze(1)
+        probs = torch.softmax(values.masked_fill(beyond, float("-inf")) / temps, dim=-1)
+        return _top_p_sorted(probs, params), ids
+    probs = torch.softmax(scores / temps, dim=-1)
+    if all(p.top_p >= 1.0 for p in params):
+        return probs, None
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    return torch.zeros_like(probs).scatter_(1, order, _top_p_sorted(sorted_probs, params)), None
 
 
-def _top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Keep each row's smallest set of most likely tokens whose mass reaches top_p."""
+def _top_p_sorted(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose mass reaches top_p (rows sorted
+    best first)."""
     if all(p.top_p >= 1.0 for p in params):
         return probs
     # rows without a cut get an infinite threshold: a float32 cumsum can pass 1.0 by rounding
     cut = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
     top_p = torch.tensor(cut, device=probs.device, dtype=probs.dtype).unsqueeze(1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    drop = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    return probs.masked_fill(probs.cumsum(dim=-1) - probs > top_p, 0.0)
 
 
 def _token_counts(seqs: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:

@@ -183,9 +183,17 @@ COMMON: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
     "stream_options": (st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
                        st.dictionaries(st.sampled_from(["include_usage", "x"]), JUNK, max_size=2)),
     "user": (_text, st.text(min_size=257, max_size=300)),
-    "presence_penalty": (st.sampled_from([None, 0, 0.0]), _floats),
-    "frequency_penalty": (st.sampled_from([None, 0, 0.0]), _floats),
-    "logprobs": (st.sampled_from([None, False]), _scalars),
+    "presence_penalty": (st.one_of(st.none(), st.floats(-2.0, 2.0)), _floats),
+    "frequency_penalty": (st.one_of(st.none(), st.floats(-2.0, 2.0)), _floats),
+    "repetition_penalty": (st.one_of(st.none(), st.floats(0.5, 2.0)), _floats),
+    "prompt_cache_key": (_text, st.text(min_size=257, max_size=300)),
+    "response_format": (
+        st.sampled_from([None, {"type": "text"}, {"type": "json_object"},
+                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                             "type": "object", "properties": {"a": {"type": "integer"}}}}}]),
+        st.one_of(JUNK, st.fixed_dictionaries({"type": st.just("json_schema"),
+                                               "json_schema": st.fixed_dictionaries({"schema": JUNK})})),
+    ),
 }
 CHAT_FIELDS = {
     **COMMON,
@@ -193,6 +201,8 @@ CHAT_FIELDS = {
                  st.lists(st.one_of(_message, _bad_message), max_size=4)),
     "max_completion_tokens": (st.integers(1, SMALL_MAX_TOKENS), _ints),
     "tools": (st.sampled_from([None, []]), st.lists(JUNK, min_size=1, max_size=2)),
+    "logprobs": (st.sampled_from([None, False, True]), _scalars),
+    "top_logprobs": (st.one_of(st.none(), st.integers(0, 20)), _ints),
 }
 COMPLETION_FIELDS = {
     **COMMON,
@@ -201,6 +211,7 @@ COMPLETION_FIELDS = {
     "echo": (st.sampled_from([None, False]), _scalars),
     "suffix": (st.sampled_from([None, ""]), _text),
     "best_of": (st.sampled_from([None, 1]), _ints),
+    "logprobs": (st.one_of(st.none(), st.integers(0, 20)), _scalars),
 }
 REQUIRED = {"model", "messages", "prompt"}
 

@@ -121,7 +121,8 @@ BAD_REQUESTS = [
     ("prompt beyond context", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]}, 400),
     ("n zero", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400),
     ("temperature out of range", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}, 400),
-    ("unsupported penalty", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0}, 400),
+    ("penalty out of range", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, 400),
+    ("top_logprobs without logprobs", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),
     ("empty completion prompt", {"model": MODEL, "prompt": ""}, 400),
     ("token id out of vocabulary", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400),
 ]

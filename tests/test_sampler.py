@@ -83,15 +83,17 @@ def test_seeded_rows_repeat_whatever_shares_the_batch():
     assert [other.sample(logits, [Row("b", SamplingParams(temperature=1.0, seed=8))]).token_ids[0] for _ in range(20)] != solo
 
 
-def test_draws_follow_the_distribution():
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=5),  # candidates path
+                                    SamplingParams(temperature=1.3, top_p=0.97)],  # whole-vocabulary path
+                         ids=["top_k", "top_p"])
+def test_draws_follow_the_distribution(params):
     """4000 unseeded draws of a 6-token distribution: each frequency within 5 standard errors."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
-    params = SamplingParams(temperature=0.9, top_k=5)
     n = 4000
     out = Sampler().sample(logits.repeat(n, 1), [Row(f"r{i}", params) for i in range(n)])
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=6).double() / n
     expected = probabilities(logits, [params])[0].double()
-    assert counts[5] == 0  # cut by top-k
+    assert expected[5] == 0 and counts[5] == 0  # cut by top-k / top-p
     se = (expected * (1 - expected) / n).sqrt()
     assert bool(((counts - expected).abs() <= 5 * se + 1e-9).all()), (counts, expected)
 
