@@ -62,7 +62,7 @@ class IndexWriter:
 
         await self._run(stage)
 
-    async def replace(self, rid: str, hashes: Iterable[int]) -> int:
+    async def replace(self, rid: str, hashes: Iterable[int], register: bool = True) -> int:
         """Make the index hold exactly `hashes` for this replica (a full resync); returns the
         number of stale entries retracted."""
         new = {int(h) for h in hashes}
@@ -73,8 +73,9 @@ class IndexWriter:
         def stage(pipe):
             yield from self._stage_remove(pipe, rid, stale)
             yield from self._stage_add(pipe, rid, fresh)
-            pipe.sadd(self.keys.replicas, rid)
-            yield
+            if register:
+                pipe.sadd(self.keys.replicas, rid)
+                yield
 
         await self._run(stage)
         return len(stale)
@@ -82,7 +83,7 @@ class IndexWriter:
     async def retract(self, rid: str) -> bool:
         """Remove every entry of this replica (it stopped, or died). True if this call removed
         it from the registered replicas (two collectors racing both clean, one counts)."""
-        await self.replace(rid, ())
+        await self.replace(rid, (), register=False)  # a late collector must not re-register it
 
         def stage(pipe):
             pipe.delete(self.keys.blocks(rid))

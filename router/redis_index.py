@@ -132,12 +132,12 @@ class RedisIndex:
                     self._client = client
         return self._client
 
-    async def _guard(self, coro):
+    async def _guard(self, coro, timeout_s: float | None = None):
         if time.monotonic() < self._down_until:
             coro.close()
             raise IndexUnavailable("redis cooling down after a failure")
         try:
-            return await asyncio.wait_for(coro, self.config.timeout_s)
+            return await asyncio.wait_for(coro, timeout_s or self.config.timeout_s)
         except (TimeoutError, OSError, aioredis.RedisError) as e:
             self.failures += 1
             self._down_until = time.monotonic() + self.config.cooldown_s
@@ -154,7 +154,9 @@ class RedisIndex:
     async def _open_guarded(self) -> Client:
         if self._client is not None:
             return self._client
-        return await self._guard(self._open())
+        # connecting (topology detection, script load) takes a few round trips: a lookup's
+        # budget would turn a slow first connection into a second of fallback routing
+        return await self._guard(self._open(), max(self.config.timeout_s, 1.0))
 
     async def lookup(
         self, hashes: list[int], replica_ids: list[str] | None = None, session_id: str | None = None

@@ -169,7 +169,7 @@ def test_dead_replica_stops_counting_and_is_collected(redis_url, prefix):
             # deadline only bounds the wait on a busy one
             await eventually(lambda: _matched(index, hashes, "dead", 0), timeout=15)
             await eventually(_async(lambda: not client.exists(keys.blocks("dead"))), timeout=5)
-            assert b"dead" not in client.smembers(keys.replicas)
+            await eventually(_async(lambda: b"dead" not in client.smembers(keys.replicas)), timeout=5)
             assert not any(client.sismember(keys.block(h), "dead") for h in hashes)
             assert sum(r.publisher.stats.collected for r in live) == 1
         finally:
@@ -231,7 +231,10 @@ def test_resync_after_redis_restart_and_fast_failure_while_down(prefix):
                 server.start()
                 await eventually(lambda: _matched(index, hashes, "ra", 3), timeout=10)
                 await eventually(lambda: _matched(index, more, "ra", 2), timeout=10)
-                await eventually(_async(lambda: a.publisher.stats.resyncs >= 2))
+                try:
+                    await eventually(_async(lambda: a.publisher.stats.resyncs >= 2), timeout=10)
+                except AssertionError:
+                    raise AssertionError(f"no resync after the restart: {a.publisher.stats}") from None
                 assert a.publisher.stats.errors >= 1
             finally:
                 await a.publisher.stop()
@@ -253,10 +256,11 @@ def test_routers_share_what_they_just_sent(redis_url, prefix):
         try:
             hashes = block_hashes(list(range(40)), BS, 0)  # 10 blocks
             await IndexWriter(await a._open_guarded(), a.keys).apply("ra", [("+", hashes[:3])])
-            await a.mark_inflight(hashes[3:], "rx", ttl_ms=300)
+            await b.lookup(hashes)  # router B connected (a first connection can take a while)
+            await a.mark_inflight(hashes[3:], "rx", ttl_ms=1500)
             look = await b.lookup(hashes)
             assert {rid: e.matched_blocks for rid, e in look.replicas.items()} == {"ra": 3, "rx": 10}
-            await eventually(lambda: _matched(b, hashes, "rx", 0), timeout=5)  # the TTL ended
+            await eventually(lambda: _matched(b, hashes, "rx", 0), timeout=10)  # the TTL ended
             assert (await b.lookup(hashes, ["ra"])).replicas["ra"].matched_blocks == 3
         finally:
             await a.close()
