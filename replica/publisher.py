@@ -163,9 +163,10 @@ class BlockPublisher:
                     next_gc = now + self.config.gc_s
                 self.stats.connected = True
                 await asyncio.sleep(self.config.flush_s)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # Redis errors, timeouts, anything: never let publishing die
+            except (Exception, asyncio.CancelledError) as e:  # never let publishing die
+                task = asyncio.current_task()
+                if isinstance(e, asyncio.CancelledError) and (task is None or task.cancelling()):
+                    raise  # stop() cancelled us; a CancelledError from inside a Redis call is an error
                 self.stats.errors += 1
                 if self.stats.connected:
                     log.warning("redis unavailable (%r); will resync when it is back", e)
@@ -183,9 +184,9 @@ class BlockPublisher:
         if inspect.isawaitable(snapshot):  # the replica takes it between engine steps
             snapshot = await snapshot
         hashes = [h for h, p in snapshot if p < self.config.depth]
+        await asyncio.wait_for(self._heartbeat(writer), bound)  # alive before (re)registering
         # a big cache takes longer than one call's bound: allow for its size
         await asyncio.wait_for(writer.replace(self.config.replica_id, hashes), bound + len(hashes) / 20_000)
-        await asyncio.wait_for(self._heartbeat(writer), bound)
         self._done = max(self._done, generation)
         self.stats.resyncs += 1
         self.stats.published += len(hashes)

@@ -102,8 +102,10 @@ class IndexWriter:
         pipe.exists(key)
         pipe.hset(key, mapping=load)
         pipe.pexpire(key, ttl_ms)
-        pipe.sadd(self.keys.replicas, rid)
-        existed, _, _, _ = await pipe.execute()
+        existed, _, _ = await pipe.execute()
+        # registered only once the heartbeat exists (on a cluster the two keys live on different
+        # shards): a collector must never find a new replica registered without a heartbeat
+        await self.client.sadd(self.keys.replicas, rid)
         return not existed
 
     async def collect_garbage(self, holder: str, lease_ms: int) -> list[str] | None:

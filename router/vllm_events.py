@@ -153,7 +153,8 @@ class VllmEventAdapter:
         cfg = self.config
         self._client = await open_client(cfg.redis_url, cfg.timeout_s)
         writer = IndexWriter(self._client, self.keys)
-        await writer.replace(cfg.replica_id, [])  # forget an earlier incarnation's entries
+        # forget an earlier incarnation's entries; the heartbeat task registers the replica
+        await writer.replace(cfg.replica_id, [], register=False)
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
