@@ -81,8 +81,12 @@ def build_app(config: AppConfig) -> serve.Application:
         max_ongoing_requests=config.max_ongoing_requests,
         health_check_period_s=2,
         health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=5,
+        graceful_shutdown_timeout_s=config.drain_timeout_s,  # then Serve kills it; the gateway moves what runs
+        graceful_shutdown_wait_loop_s=0.5,
     )
+    if config.autoscaling:
+        del options["num_replicas"]
+        options["autoscaling_config"] = dict(config.autoscaling)
     rc = router_config(config, model_id)
     if rc is not None:
         options["request_router_config"] = rc

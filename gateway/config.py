@@ -38,6 +38,10 @@ class AppConfig:
     first_token_timeout_s: float = 300.0  # a request not routed/started by then gets a 504
     retry_attempts: int = 6  # replica calls per request when replicas fail (retry / stream migration)
     retry_budget_s: float = 90.0  # from a request's first replica failure: then 503 with Retry-After
+    # Serve autoscaling_config for the replicas (min_replicas, max_replicas, target_ongoing_requests,
+    # upscale_delay_s, downscale_delay_s, ...); when set it replaces `replicas` (infra/serve-autoscale.yaml)
+    autoscaling: dict | None = None
+    drain_timeout_s: float = 20.0  # a stopping replica's requests get this long to finish; the rest move on
     session_ttl_s: int = 1800
     seed: int | None = None
     gateway_num_cpus: float = 0.25

@@ -111,7 +111,8 @@ class Gateway:
         self.prompts = PromptBuilder(self.config)
         self.model_name = self.prompts.model_name
         self.in_flight = 0
-        self.capacity = self.config.replicas * self.config.max_ongoing_requests + self.config.max_queued_requests
+        most = (self.config.autoscaling or {}).get("max_replicas", self.config.replicas)
+        self.capacity = most * self.config.max_ongoing_requests + self.config.max_queued_requests
         self._redis = None
 
     # ---- plumbing -------------------------------------------------------------------------
