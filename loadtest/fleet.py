@@ -192,6 +192,7 @@ def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], Non
     requests = workload(spec)
     pairs: list[tuple[FleetResult, FleetResult]] = []
     stack = None
+    _stop_on_sigterm()
     try:
         for n in spec.replicas:
             s, kept, dropped = settings_for(spec, requests, n)
@@ -205,6 +206,7 @@ def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], Non
                     stack = LocalStack(app_config(spec, s, policy, redis_url, prefix), port=free_port(),
                                        ray_address=ray_address).start()
                     print(f"[fleet] stack up with {n} sim replicas in {time.time() - t0:.0f}s", file=sys.stderr)
+                    _stop_on_sigterm()  # after ray.init, which installs its own handler
                     live = live_run(stack.url, spec, s, policy, kept, stack.config.redis_url, prefix)
                 else:
                     live = run_one(stack, spec, s, policy, kept)
@@ -216,6 +218,19 @@ def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], Non
         if stack is not None:
             stack.stop()
     return pairs
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _stop_on_sigterm() -> None:
+    """`timeout` or kill: raise in the main thread, so `run_fleet` stops what it started."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def save_json(pairs: list[tuple[FleetResult, FleetResult]], spec: FleetSpec, path: Path) -> None:

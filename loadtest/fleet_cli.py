@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
 import time
 from pathlib import Path
@@ -108,7 +107,6 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         print(format_side_by_side([(live, sim)]).splitlines()[-1], flush=True)
         save_json(pairs, spec, args.json or out / "fleet.json")
 
-    signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and kill: stop the stack we started
     requests = workload(spec)
     for n in spec.replicas:
         s, kept, dropped = settings_for(spec, requests, n)
@@ -145,10 +143,6 @@ def cmd_fleet_report(args: argparse.Namespace) -> int:
 
         print(f"[fleet] {plot_fleet(runs, args.plot, title=args.title)}")
     return 0
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def add_parsers(sub) -> None:

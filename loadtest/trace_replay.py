@@ -27,6 +27,7 @@ class ReplaySettings:
     arrival_scale: float = 1.0  # trace seconds are divided by this to get wall seconds
     seed: int = 0
     request_timeout_s: float = 600.0
+    drain_s: float = 180.0  # after the last send, requests still unanswered are cut off (errors)
     model: str | None = None  # default: the gateway's first /v1/models entry
 
 
@@ -119,7 +120,15 @@ async def replay_async(requests: list[SimRequest], s: ReplaySettings) -> list[Re
     timeout = httpx.Timeout(s.request_timeout_s, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         t_start = time.perf_counter()
-        await asyncio.gather(*(_one(client, s, model, r, i, records[i], t_start) for i, r in enumerate(requests)))
+        tasks = [asyncio.create_task(_one(client, s, model, r, i, records[i], t_start)) for i, r in enumerate(requests)]
+        last = max((rec.at_s for rec in records), default=0.0)
+        _, pending = await asyncio.wait(tasks, timeout=last + s.drain_s) if tasks else (set(), set())
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for rec in records:
+        if rec.error is None and rec.latency_s is None:
+            rec.error = f"cut off: no answer {s.drain_s:.0f}s after the last send"
     return records
 
 
