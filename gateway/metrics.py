@@ -2,6 +2,10 @@
 export port, tagged with the gateway replica), and also counted in this process's
 prometheus_client registry for the gateway's own `/metrics` (one gateway replica's view)."""
 
+import threading
+import time
+import weakref
+
 from router.telemetry import LATENCY_BUCKETS, Metric
 
 REQUESTS = Metric("counter", "prefixgate_requests", "HTTP API requests by endpoint and status", ["endpoint", "status"], local=True)
@@ -27,9 +31,22 @@ MIGRATION_RECOMPUTED_TOKENS = Metric("counter", "prefixgate_migration_recomputed
                                      "Prompt + already-sent tokens a replica had to take over to continue a moved stream", local=True)
 
 
-def start() -> None:
-    """In the gateway replica at startup: export the counters of rare events at 0."""
+def start(gateway=None, interval_s: float = 1.0) -> None:
+    """In the gateway replica at startup: export the counters of rare events at 0, and keep
+    re-setting the in-flight gauge from `gateway.in_flight` while the gateway object lives
+    (Ray drops a gauge value not refreshed for two export intervals: an idle gateway's 0 would
+    vanish from the scrape)."""
     for metric in (REJECTED, RETRIES):
         metric.zero()
     for outcome in ("resumed", "failed"):
         MIGRATIONS.zero(outcome)
+    if gateway is not None:
+        ref = weakref.ref(gateway)
+
+        def refresh() -> None:
+            while (gw := ref()) is not None:
+                IN_FLIGHT.set(gw.in_flight)
+                del gw
+                time.sleep(interval_s)
+
+        threading.Thread(target=refresh, name="prefixgate-gauges", daemon=True).start()

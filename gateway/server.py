@@ -113,6 +113,7 @@ class Gateway:
         self.in_flight = 0
         most = (self.config.autoscaling or {}).get("max_replicas", self.config.replicas)
         self.capacity = most * self.config.max_ongoing_requests + self.config.max_queued_requests
+        m.start(self)  # Ray metrics: rare-event counters at 0, in-flight gauge kept fresh
         self._redis = None
 
     # ---- plumbing -------------------------------------------------------------------------

@@ -77,6 +77,8 @@ class ReplicaMetrics:
         self._preemptions_seen = 0
         for counter in (self.cache_queries, self.cache_hits, self.preemptions, self.prompt_tokens, self.generation_tokens):
             counter.zero()
+        for reason in ("stop", "length", "abort"):
+            self.success.zero(reason)
 
     def request(self) -> RequestRecorder:
         return RequestRecorder(self)

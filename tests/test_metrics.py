@@ -1,0 +1,277 @@
+"""Metrics through Ray: vLLM's names from the replicas, ours from the gateway and router, and
+every query of our Grafana dashboard and of Ray's Serve LLM dashboard against a real scrape.
+
+The stack test sends traffic, then scrapes the local Ray node's metrics export port (the
+stack's --metrics-port) until the names appear (Ray's agents export on an interval).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+import pytest
+
+from replica.metrics import token_buckets
+from replica.request_metrics import RequestMetrics
+from tests.prometheus_live import LivePrometheus
+from tests.promql import parse
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = "You are a careful assistant for a travel agency. Answer in one short sentence. " * 4
+
+# What Ray's Serve LLM dashboard and vLLM-keyed autoscalers read (NIXL and KV offload aside)
+VLLM_NAMES = [
+    "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting", "ray_vllm_num_requests_swapped",
+    "ray_vllm_kv_cache_usage_perc", "ray_vllm_prefix_cache_queries_total", "ray_vllm_prefix_cache_hits_total",
+    "ray_vllm_prompt_tokens_total", "ray_vllm_generation_tokens_total", "ray_vllm_request_success_total",
+    "ray_vllm_num_preemptions_total",
+    *(f"{h}_{s}" for h in (
+        "ray_vllm_time_to_first_token_seconds", "ray_vllm_inter_token_latency_seconds",
+        "ray_vllm_request_time_per_output_token_seconds", "ray_vllm_e2e_request_latency_seconds",
+        "ray_vllm_request_queue_time_seconds", "ray_vllm_request_prefill_time_seconds",
+        "ray_vllm_request_decode_time_seconds", "ray_vllm_request_inference_time_seconds",
+        "ray_vllm_request_prompt_tokens", "ray_vllm_request_generation_tokens",
+    ) for s in ("bucket", "sum", "count")),
+]
+OUR_NAMES = [
+    "ray_prefixgate_route_decisions_total", "ray_prefixgate_route_matched_blocks_total",
+    "ray_prefixgate_route_decision_seconds_bucket", "ray_prefixgate_index_unavailable_total",
+    "ray_prefixgate_requests_total", "ray_prefixgate_routed_requests_total",
+    "ray_prefixgate_time_to_first_token_seconds_bucket", "ray_prefixgate_request_latency_seconds_bucket",
+    "ray_prefixgate_in_flight_requests", "ray_prefixgate_rejected_total", "ray_prefixgate_retries_total",
+    "ray_prefixgate_migrations_total",
+]
+# Ray's panels that need hardware or connectors we do not have
+RAY_EXCLUDED = ("nixl", "kv_offload", "external_prefix_cache")
+# Set by KubeRay's PodMonitor, not by Ray itself; the dashboard's "All" matches its absence
+NOT_OURS_LABELS = {"ray_io_cluster"}
+
+
+# ---- pure pieces ------------------------------------------------------------------------------
+def test_promql_names_and_labels():
+    q = parse('histogram_quantile(0.9, sum by (le, WorkerId) (rate(ray_vllm_ttft_bucket{model_name=~"$m", a="b"}[$interval])))'
+              ' * on(WorkerId) group_left(deployment, replica) max by(WorkerId) (ray_serve_c_total{x=~".*"} * 0 + 1e3)')
+    assert q.metrics == {"ray_vllm_ttft_bucket", "ray_serve_c_total"}
+    assert q.grouping_labels == {"le", "WorkerId", "deployment", "replica"}
+    assert q.required_labels == {("ray_vllm_ttft_bucket", "a")}  # match-all regexes need nothing
+    v = parse("label_values(ray_vllm_request_prompt_tokens_sum{}, WorkerId)")
+    assert v.metrics == {"ray_vllm_request_prompt_tokens_sum"}
+    assert v.required_labels == {("ray_vllm_request_prompt_tokens_sum", "WorkerId")}
+    assert parse("max_over_time(sum by (model_name) (rate(x_total[2m]))[24h:1m]) and bool y").metrics == {"x_total", "y"}
+
+
+def test_request_intervals_follow_vllm():
+    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=13.0,
+                       num_prompt_tokens=40, num_cached_tokens=32, num_generation_tokens=5)
+    assert (m.queue_time, m.prefill_time, m.decode_time, m.inference_time, m.e2e_time) == (0.5, 0.5, 2.0, 2.5, 3.0)
+    assert m.ttft == 1.0 and m.time_per_output_token == 0.5
+    one = RequestMetrics(10.0, None, None, 12.0, 4, 0, 0)  # finished without ever running
+    assert one.queue_time == 2.0 and one.ttft is None and one.time_per_output_token is None
+    assert token_buckets(2048) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+
+
+def test_dashboard_json_is_what_the_script_builds():
+    built = subprocess.run([sys.executable, str(ROOT / "infra/grafana/build_dashboard.py")],
+                           capture_output=True, text=True, check=True).stdout
+    assert json.loads(built) == json.loads((ROOT / "infra/grafana/prefixgate.json").read_text()), \
+        "regenerate: python infra/grafana/build_dashboard.py > infra/grafana/prefixgate.json"
+
+
+# ---- dashboards' queries ----------------------------------------------------------------------
+def _exprs(panels: list[dict]) -> list[str]:
+    out = []
+    for p in panels:
+        out += [t["expr"] for t in p.get("targets", []) if t.get("expr")]
+        out += _exprs(p.get("panels", []))
+    return out
+
+
+def _variable_queries(dashboard: dict) -> list[str]:
+    out = []
+    for v in dashboard.get("templating", {}).get("list", []):
+        query = v.get("query")
+        if isinstance(query, dict) and query.get("query"):
+            out.append(query["query"])
+    return out
+
+
+def our_dashboard_queries() -> list[str]:
+    d = json.loads((ROOT / "infra/grafana/prefixgate.json").read_text())
+    return _exprs(d["panels"]) + _variable_queries(d)
+
+
+def ray_serve_llm_queries() -> list[str]:
+    from ray.dashboard.modules.metrics.grafana_dashboard_factory import (
+        generate_serve_llm_grafana_dashboard,
+    )
+
+    d = json.loads(generate_serve_llm_grafana_dashboard()[0])
+    queries = _exprs(d["panels"]) + _variable_queries(d)
+    return [q for q in queries if not any(x in q for x in RAY_EXCLUDED)]
+
+
+def test_dashboards_have_queries():
+    ours, rays = our_dashboard_queries(), ray_serve_llm_queries()
+    assert len(ours) >= 20 and len(rays) >= 40, (len(ours), len(rays))
+    assert any("ray_vllm_prefix_cache_hits_total" in q for q in rays)
+
+
+# ---- the running stack --------------------------------------------------------------------------
+Series = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def scrape(port: int) -> Series:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    series: Series = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            series[s.name].append((dict(s.labels), s.value))
+    return series
+
+
+def total(series: Series, name: str, **match: str) -> float:
+    return sum(v for labels, v in series.get(name, []) if all(labels.get(k) == x for k, x in match.items()))
+
+
+def _chat(url: str, messages: list[dict], session: str, **kw) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, **kw}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=180)
+
+
+def _wait_for_series(prom: LivePrometheus, expr: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s  # Ray exports about every 10 s, Prometheus scrapes every 1 s
+    while not prom.query(expr):
+        assert time.monotonic() < deadline, f"Prometheus has no {expr} after {timeout_s:.0f} s"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def live_prometheus(stack):
+    """A real Prometheus scraping the stack's Ray metrics port every second, from before the traffic."""
+    prom = LivePrometheus(stack.metrics_port).start()
+    yield prom
+    prom.stop()
+
+
+@pytest.fixture(scope="module")
+def traffic_scrape(stack, live_prometheus):
+    """Two-turn sessions (second turns hit the cache), then the scrape once everything is in."""
+    import ray
+
+    ports = {n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]}
+    assert ports == {stack.metrics_port}, (ports, stack.metrics_port)  # --metrics-port reached Ray
+    before = scrape(stack.metrics_port)
+    sent, served_by = 0, set()
+    for i in range(3):
+        session = f"metrics-{uuid.uuid4().hex[:6]}"
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Suggest a city, number {i}."}]
+        for turn in range(2):
+            if sent == 1:
+                # Prometheus's rate() ignores a series' first sample (histograms appear on their
+                # first observation): let it see the first request's before the rest arrive
+                _wait_for_series(live_prometheus, 'ray_vllm_time_to_first_token_seconds_count{application="prefixgate"}')
+            r = _chat(stack.url, messages, session)
+            assert r.status_code == 200, r.text
+            sent += 1
+            served_by.add(r.headers["x-prefixgate-replica"])
+            messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"And another one, turn {turn}?"}]
+    r = _chat(stack.url, messages[:2], "metrics-stream", stream=True)  # a streamed one too
+    assert r.status_code == 200 and "[DONE]" in r.text
+    sent += 1
+
+    wanted = set(VLLM_NAMES) | set(OUR_NAMES) | {"ray_serve_deployment_request_counter_total"}
+    deadline = time.monotonic() + 120  # Ray's agents export about every 10 s
+    while True:
+        now = scrape(stack.metrics_port)
+        missing = wanted - set(now)
+        grown = total(now, "ray_vllm_request_success_total") - total(before, "ray_vllm_request_success_total")
+        if not missing and grown >= sent:
+            return now, sent, served_by
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after 120 s the scrape lacks {sorted(missing)}; requests counted: {grown} of {sent}")
+        time.sleep(2)
+
+
+def test_every_name_with_sensible_values(traffic_scrape, stack):
+    from gateway.stack import APP_NAME
+
+    everything, sent, served_by = traffic_scrape
+    # the main app's series only: other tests deploy more apps on the same Ray cluster
+    s: Series = {name: [(lb, v) for lb, v in rows if lb.get("application") == APP_NAME] for name, rows in everything.items()}
+    for name in VLLM_NAMES:
+        for labels, _ in s[name]:
+            assert labels.get("model_name") == MODEL and labels.get("engine") == "0", (name, labels)
+            assert labels.get("WorkerId") and labels.get("deployment") and labels.get("replica"), (name, labels)
+    # per replica: one running and one waiting gauge each, for every replica that served traffic
+    for gauge in ("ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting", "ray_vllm_kv_cache_usage_perc"):
+        replicas = {labels["replica"] for labels, _ in s[gauge]}
+        assert served_by <= replicas, (gauge, served_by, replicas)
+        assert all(v >= 0 for _, v in s[gauge]), s[gauge]
+    assert all(0 <= v <= 1 for _, v in s["ray_vllm_kv_cache_usage_perc"])
+    # hits <= queries on every replica, and the repeated system prompt did hit
+    for worker in {labels["WorkerId"] for labels, _ in s["ray_vllm_prefix_cache_queries_total"]}:
+        hits = total(s, "ray_vllm_prefix_cache_hits_total", WorkerId=worker)
+        assert hits <= total(s, "ray_vllm_prefix_cache_queries_total", WorkerId=worker)
+    assert total(s, "ray_vllm_prefix_cache_hits_total") > 0
+    reasons = {labels["finished_reason"] for labels, _ in s["ray_vllm_request_success_total"]}
+    assert reasons <= {"stop", "length", "abort"} and reasons & {"stop", "length"}, reasons
+    # histograms: cumulative buckets, +Inf bucket == count
+    for base in ("ray_vllm_time_to_first_token_seconds", "ray_vllm_request_prompt_tokens", "ray_prefixgate_route_decision_seconds"):
+        by_series: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
+        for labels, v in s[f"{base}_bucket"]:
+            key = tuple(sorted((k, x) for k, x in labels.items() if k != "le"))
+            by_series[key].append((float(labels["le"]), v))
+        for key, buckets in by_series.items():
+            counts = [v for _, v in sorted(buckets)]
+            assert counts == sorted(counts), (base, key, counts)
+            assert counts[-1] == total(s, f"{base}_count", **dict(key)), (base, key)
+    assert total(s, "ray_vllm_time_to_first_token_seconds_count") >= sent
+    # ours: routing decisions by policy and reason, from the router inside the gateway replica
+    decisions = s["ray_prefixgate_route_decisions_total"]
+    assert stack.config.policy in {labels["policy"] for labels, _ in decisions}, decisions
+    assert {labels["reason"] for labels, _ in decisions} <= {"prefix", "session", "load", "fallback", "random", "hash"}
+    assert sum(v for _, v in decisions) >= sent
+    assert total(s, "ray_prefixgate_requests_total", endpoint="chat", status="200") >= sent
+    # every replica metric joins Serve's request counter on WorkerId (Ray's dashboard relies on it)
+    serve_workers = {labels.get("WorkerId") for labels, _ in everything["ray_serve_deployment_request_counter_total"]}
+    vllm_workers = {labels["WorkerId"] for labels, _ in s["ray_vllm_num_requests_running"]}
+    assert vllm_workers <= serve_workers, (vllm_workers, serve_workers)
+
+
+@pytest.mark.parametrize("dashboard", ["prefixgate", "ray_serve_llm"])
+def test_dashboard_queries_name_only_exported_metrics(traffic_scrape, dashboard):
+    s = traffic_scrape[0]
+    queries = our_dashboard_queries() if dashboard == "prefixgate" else ray_serve_llm_queries()
+    problems = []
+    for expr in queries:
+        q = parse(expr)
+        problems += [f"{name} (in {expr[:120]!r})" for name in sorted(q.metrics) if name not in s]
+        for metric, label in sorted(q.required_labels):
+            if label not in NOT_OURS_LABELS and metric in s and not any(label in lb for lb, _ in s[metric]):
+                problems.append(f"{metric} has no label {label}")
+        present = set().union(*(lb.keys() for m in q.metrics for lb, _ in s.get(m, [])))
+        problems += [f"no metric of {sorted(q.metrics)} has label {label}"
+                     for label in sorted(q.grouping_labels - present - NOT_OURS_LABELS)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_panel_is_filled_in_prometheus(traffic_scrape, live_prometheus):
+    """Both dashboards' queries, evaluated by a real Prometheus over the scraped stack, each return
+    data (Grafana variables at "All", rate window 5m)."""
+    prom = live_prometheus
+    # Ray's "peak tokens/s" panel evaluates rate() at whole minutes: give it one with data behind it
+    while time.monotonic() - prom.started_at < 65:
+        time.sleep(1)
+    empty = [q for q in our_dashboard_queries() + ray_serve_llm_queries() if prom.series(q) == 0]
+    assert not empty, "queries without data:\n" + "\n".join(" ".join(q.split())[:200] for q in empty)
