@@ -155,25 +155,51 @@ def _replica_loads(stack) -> list[dict]:
     return [client.hgetall(f"{prefix}:hb:{rid}") for rid in client.smembers(f"{prefix}:replicas")]
 
 
+def _generated(stack) -> int:
+    return sum(int(ld.get("generated_tokens", 0)) for ld in _replica_loads(stack))
+
+
+def _wait_idle(stack, timeout_s: float = 60) -> list[dict]:
+    """Until both replicas report nothing running or waiting and no referenced block (the
+    deadline only guards against a hang)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = _replica_loads(stack)
+        busy = [ld for ld in loads if int(ld.get("running", 0)) or int(ld.get("waiting", 0))]
+        used = [int(ld["capacity_blocks"]) - int(ld["free_blocks"]) - int(ld["cached_blocks"]) for ld in loads]
+        if loads and not busy and not any(used):
+            return loads
+        assert time.monotonic() < deadline, f"request kept running after the client left: {loads}"
+        time.sleep(0.25)
+
+
 def test_client_disconnect_aborts_and_frees_blocks(stack):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
-            "max_tokens": 1000, "stream": True}
-    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=60) as r:
+    """The client leaves after 4 chunks of a greedy story that runs to max_tokens when left
+    alone: generation stops early (far fewer tokens generated than the undisturbed run) and
+    every block is released."""
+    messages = [{"role": "user", "content": "Write a very long story about a dragon."}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 160, "temperature": 0}
+    _wait_idle(stack)
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    full = r.json()
+    assert full["choices"][0]["finish_reason"] == "length"  # left alone, it runs all 160 tokens
+    _wait_idle(stack)
+    before = _generated(stack)
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
         seen = 0
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 seen += 1
             if seen >= 4:
                 break  # the client goes away mid-stream
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        loads = _replica_loads(stack)
-        busy = [ld for ld in loads if int(ld.get("running", 0)) or int(ld.get("waiting", 0))]
-        used = [int(ld["capacity_blocks"]) - int(ld["free_blocks"]) - int(ld["cached_blocks"]) for ld in loads]
-        if loads and not busy and not any(used):
-            return
+    # idle in a heartbeat that already counts this request's tokens (one snapshot: final counts)
+    deadline = time.monotonic() + 60
+    while not (_generated(stack) > before and _wait_idle(stack)):
+        assert time.monotonic() < deadline, "no heartbeat counted the request"
         time.sleep(0.25)
-    raise AssertionError(f"request kept running after the client left: {loads}")
+    generated = _generated(stack) - before
+    assert 0 < generated < full["usage"]["completion_tokens"] // 2, generated
 
 
 def test_health_models_and_metrics(stack):
