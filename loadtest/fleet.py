@@ -186,13 +186,15 @@ def run_one(stack, spec: FleetSpec, s: RunSettings, policy: str, requests: list[
 def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], None] | None = None,
               ray_address: str | None = None, redis_url: str = "auto") -> list[tuple[FleetResult, FleetResult]]:
     """Every (replica count, policy) live and simulated; fresh replicas for each live run."""
-    from gateway.local_redis import free_port
+    from gateway.local_redis import LocalRedis, free_port
     from gateway.stack import LocalStack
 
     requests = workload(spec)
     pairs: list[tuple[FleetResult, FleetResult]] = []
     stack = None
     _stop_on_sigterm()
+    own_redis = LocalRedis().start() if redis_url in ("", "auto") else None  # stopped below, whatever happens
+    redis_url = own_redis.url if own_redis else redis_url
     try:
         for n in spec.replicas:
             s, kept, dropped = settings_for(spec, requests, n)
@@ -215,8 +217,12 @@ def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], Non
                 if on_pair:
                     on_pair(live, sim)
     finally:
-        if stack is not None:
-            stack.stop()
+        try:
+            if stack is not None:
+                stack.stop()
+        finally:
+            if own_redis is not None:
+                own_redis.cleanup()
     return pairs
 
 

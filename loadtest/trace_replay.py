@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -27,7 +28,8 @@ class ReplaySettings:
     arrival_scale: float = 1.0  # trace seconds are divided by this to get wall seconds
     seed: int = 0
     request_timeout_s: float = 600.0
-    drain_s: float = 180.0  # after the last send, requests still unanswered are cut off (errors)
+    drain_s: float = 120.0  # after the last send, requests still unanswered are cut off (errors)
+    progress_s: float = 30.0  # print sent/answered/failed this often (0: never)
     model: str | None = None  # default: the gateway's first /v1/models entry
 
 
@@ -105,6 +107,18 @@ async def _one(client: httpx.AsyncClient, s: ReplaySettings, model: str, req: Si
         rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
+async def _progress(records: list[ReplayRecord], t_start: float, every_s: float) -> None:
+    """A line every `every_s`: how far the replay is, so a slow or stuck run shows itself."""
+    while True:
+        await asyncio.sleep(every_s)
+        now = time.perf_counter() - t_start
+        due = sum(1 for r in records if r.at_s <= now)
+        done = sum(1 for r in records if r.latency_s is not None)
+        failed = sum(1 for r in records if r.error is not None)
+        print(f"[replay] {now:.0f}s: {due}/{len(records)} due, {done} answered, {failed} failed, "
+              f"{due - done} in flight", file=sys.stderr, flush=True)
+
+
 def model_name(url: str) -> str:
     r = httpx.get(f"{url}/v1/models", timeout=30)
     r.raise_for_status()
@@ -122,7 +136,10 @@ async def replay_async(requests: list[SimRequest], s: ReplaySettings) -> list[Re
         t_start = time.perf_counter()
         tasks = [asyncio.create_task(_one(client, s, model, r, i, records[i], t_start)) for i, r in enumerate(requests)]
         last = max((rec.at_s for rec in records), default=0.0)
+        watch = asyncio.create_task(_progress(records, t_start, s.progress_s)) if s.progress_s > 0 else None
         _, pending = await asyncio.wait(tasks, timeout=last + s.drain_s) if tasks else (set(), set())
+        if watch is not None:
+            watch.cancel()
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
