@@ -116,6 +116,30 @@ def test_prometheus_histogram_quantile():
     assert worst_step_lag([{}]) is None
 
 
+def test_replay_is_open_loop_and_bounded():
+    """A server that accepts and never answers: every request is still sent on schedule, and
+    the replay ends by itself, each unanswered request an error (never a hang)."""
+    import asyncio
+    import socket
+    import threading
+
+    from loadtest.trace_replay import ReplaySettings, replay_async
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    held = []
+    threading.Thread(target=lambda: [held.append(srv.accept()) for _ in range(2)], daemon=True).start()
+    reqs = [SimRequest(0.0, [1], 17, 2), SimRequest(0.4, [1, 2], 33, 2)]
+    s = ReplaySettings(url=f"http://127.0.0.1:{srv.getsockname()[1]}", model="m", drain_s=0.5, progress_s=0)
+    recs = asyncio.run(replay_async(reqs, s))  # returns at all: the drain deadline bounds it
+    assert [r.at_s for r in recs] == [0.0, 0.4]
+    assert all(r.error and r.error.startswith("cut off") for r in recs)
+    for conn, _ in held:
+        conn.close()
+    srv.close()
+
+
 TRACE = default_trace()
 
 
