@@ -104,7 +104,7 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             idx = torch.tensor(sampled, device=scores.device)
-            chosen = self._sample_rows(scores[idx], [rows[i] for i in sampled])
+            chosen = self._sample_rows(scores[idx], [rows[i] for i in sampled], tokens[idx])
             tokens = tokens.index_copy(0, idx, chosen)
 
         lp_rows: list[TokenLogprob | None] = [None] * n
@@ -166,7 +166,7 @@ class Sampler:
         sub = sub - freq * counts - pres * (counts > 0).float()
         scores[idx] = sub
 
-    def _sample_rows(self, scores: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    def _sample_rows(self, scores: torch.Tensor, rows: list[Row], argmax: torch.Tensor) -> torch.Tensor:
         """Temperature, top-k, top-p, then one draw per row. Rows with a top-k cut work on their
         best candidates only (one topk, already sorted for top-p); the others on the vocabulary."""
         params = [r.params for r in rows]
@@ -177,9 +177,10 @@ class Sampler:
             probs, ids = _distribution(sub, [params[j] for j in group])
             pos = self._draw(probs, [rows[j] for j in group])
             chosen = ids.gather(1, pos.unsqueeze(1)).squeeze(1) if ids is not None else pos
-            # a degenerate distribution (all masked, NaN) must not fail the step: fall back to argmax
-            ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
-            out[idx] = torch.where(ok, chosen, sub.argmax(dim=-1))
+            # a degenerate distribution (all masked: NaN, or nothing left) must not fail the step:
+            # its draw has no positive probability, and the row falls back to the argmax
+            ok = probs.gather(1, pos.unsqueeze(1)).squeeze(1) > 0
+            out[idx] = torch.where(ok, chosen, argmax[idx])
         return out
 
     def _draw(self, probs: torch.Tensor, rows: list[Row]) -> torch.Tensor:
@@ -196,7 +197,7 @@ class Sampler:
         for j in seeded:
             noise[j].exponential_(generator=self._generator(rows[j].request_id, rows[j].params.seed, device))
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a drawn 0 would make 0/0 = NaN win argmax
-        return (probs / noise).argmax(dim=-1)
+        return torch.div(probs, noise, out=noise).argmax(dim=-1)
 
 
 def probabilities(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

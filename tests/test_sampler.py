@@ -210,3 +210,13 @@ def test_unsupported_schema_is_refused_at_add(grammars):
     bad = {"type": "json_schema", "schema": {"type": "string", "pattern": "(?<=a)b"}}
     with pytest.raises(GrammarError, match="not supported"):
         Sampler(g).add(Row("x", SamplingParams(response_format=bad)))
+
+
+def test_degenerate_rows_fall_back_to_argmax_without_failing_the_batch():
+    logits = torch.randn(3, 50)
+    logits[0] = float("nan")
+    logits[1] = float("-inf")
+    rows = [Row(f"d{i}", SamplingParams(temperature=1.0, seed=i, top_k=5 if i == 1 else 0)) for i in range(3)]
+    out = Sampler().sample(logits, rows)
+    assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[1] == int(logits[1].argmax())
+    assert 0 <= out.token_ids[2] < 50
