@@ -89,6 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 1
         name = httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"]
         print(f"\n[prefixgate] serving {name} at {stack.url}/v1  (Redis: {redact(stack.config.redis_url)})")
+        if stack.metrics_port and not args.ray_address:
+            print(f"[prefixgate] metrics of every replica and router (Ray): http://127.0.0.1:{stack.metrics_port}/metrics")
         print("[prefixgate] try:\n"
               f"  curl {stack.url}/v1/chat/completions -H 'content-type: application/json' -H 'x-session-id: demo' \\\n"
               f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'")
