@@ -326,6 +326,7 @@ def load_listeners():
 
     spec = importlib.util.spec_from_file_location("listeners", INFRA / "scripts" / "listeners.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 

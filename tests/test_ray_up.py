@@ -169,6 +169,7 @@ def load_listeners():
 
     spec = importlib.util.spec_from_file_location("listeners", ROOT / "infra" / "scripts" / "listeners.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
