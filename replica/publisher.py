@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.index_writer import IndexWriter
-from router.protocol.redis_schema import HEARTBEAT_FIELDS, RedisKeys
+from router.protocol.redis_schema import HEARTBEAT_FIELDS, INDEX_BUCKETS, RedisKeys
 from router.redis_index import Client, open_client
 
 log = logging.getLogger("prefixgate.publisher")
@@ -41,7 +41,7 @@ class PublisherConfig:
     gc_s: float = 1.0  # the fleet collects garbage once per period, whatever its size
     timeout_s: float = 0.5
     max_backlog: int = 200_000  # events held while Redis is away before dropping to a resync
-    buckets: int = 16  # must match the routers' (RedisConfig.buckets)
+    buckets: int = INDEX_BUCKETS  # must match the routers' (RedisConfig.buckets)
 
 
 @dataclass

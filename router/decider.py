@@ -18,8 +18,6 @@ from router.load_table import LoadTable
 from router.policy import Decision, Policy, ReplicaView, RouteRequest
 from router.redis_index import Lookup
 
-INFLIGHT_TTL_S = 3.0  # long enough for a replica to finish the prefill and publish its blocks
-
 
 class InflightPrefixes:
     """Prompts this router sent in the last few seconds, by block hash.
@@ -95,7 +93,10 @@ class Decider:
         scored = set(matched)
         if session_replica is not None:
             scored.add(session_replica)
-        scored.update(self.loads.sample(ids, self.sampled, scored))
+        if self.policy.needs_all_replicas:
+            scored.update(ids)
+        else:
+            scored.update(self.loads.sample(ids, self.sampled, scored))
         if not scored:
             scored.add(ids[0])
         unknown = self.loads.pessimistic()

@@ -59,6 +59,9 @@ class Policy:
     """Base class: `choose` picks one of the live replicas for a request."""
 
     name = "base"
+    # Cache-blind baselines choose over the whole fleet (uniformly, or by global load), so the
+    # live router must show them every replica; cache-aware ones need only matched + sampled.
+    needs_all_replicas = False
 
     def __init__(self, *, seed: int | None = None) -> None:
         self.rng = random.Random(seed)
@@ -107,6 +110,7 @@ class RandomPolicy(Policy):
     """Uniform choice: the baseline any cache-aware policy must beat."""
 
     name = "random"
+    needs_all_replicas = True
 
     def decide(self, request, replicas, session_replica=None):
         _require(replicas)
@@ -118,6 +122,7 @@ class LeastLoadedPolicy(Policy):
     """Minimum pending prefill work, then fewest requests: balances load, ignores the cache."""
 
     name = "least-loaded"
+    needs_all_replicas = True
 
     def decide(self, request, replicas, session_replica=None):
         _require(replicas)

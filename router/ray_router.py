@@ -30,13 +30,13 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from router.decider import INFLIGHT_TTL_S, Decider, InflightPrefixes, Routed
+from router.decider import Decider, InflightPrefixes, Routed
 from router.load_table import LoadTable
 from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.messages import GenerateRequest
-from router.protocol.redis_schema import LOOKUP_TIMEOUT_S
+from router.protocol.redis_schema import INDEX_BUCKETS, INFLIGHT_TTL_S, LOOKUP_TIMEOUT_S
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
 log = logging.getLogger("prefixgate.router")
@@ -62,7 +62,7 @@ class PrefixGateRouter(RequestRouter):
         seed: int | None = None,
         policy_options: dict | None = None,
         sampled_replicas: int = 4,
-        index_buckets: int = 16,
+        index_buckets: int = INDEX_BUCKETS,
         load_refresh_s: float = 0.1,
     ) -> None:
         self.policy_name = policy

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from router.protocol.redis_schema import LOOKUP_SCRIPT, LOOKUP_TIMEOUT_S, RedisKeys
+from router.protocol.redis_schema import INDEX_BUCKETS, LOOKUP_SCRIPT, LOOKUP_TIMEOUT_S, RedisKeys
 
 Client = aioredis.Redis | RedisCluster
 
@@ -33,7 +33,7 @@ class RedisConfig:
     timeout_s: float = LOOKUP_TIMEOUT_S
     cooldown_s: float = 1.0
     session_ttl_s: int = 1800
-    buckets: int = 16  # hash tags the block index spreads over (cluster slots)
+    buckets: int = INDEX_BUCKETS  # hash tags the block index spreads over (cluster slots)
     sample: int = 4  # holders sampled where a match ends: bounds a lookup's cost on a hot prefix
     keep: int = 12  # replicas a lookup reports at most (deepest matches first)
 

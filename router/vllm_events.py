@@ -31,7 +31,7 @@ from router.protocol.events import (
     seq_from_bytes,
 )
 from router.protocol.hashing import block_hashes, chain_seed
-from router.protocol.redis_schema import RedisKeys
+from router.protocol.redis_schema import INDEX_BUCKETS, RedisKeys
 from router.redis_index import Client, open_client
 
 log = logging.getLogger("prefixgate.vllm_events")
@@ -48,7 +48,7 @@ class AdapterConfig:
     depth: int = 64  # leading blocks of a prompt published (as our publisher does)
     cache_salt: str | None = None
     topic: bytes = b""
-    buckets: int = 16
+    buckets: int = INDEX_BUCKETS
     heartbeat_s: float = 0.5
     heartbeat_ttl_s: float = 3.0
     timeout_s: float = 0.5

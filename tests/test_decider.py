@@ -80,3 +80,20 @@ def test_live_candidates_only():
     decider = Decider(make_policy("affinity", seed=0), table, InflightPrefixes(3.0), sampled=4)
     routed = _score(decider, ["a", "b"], Lookup("gone", {"gone": ReplicaEntry(16)}))
     assert "gone" not in routed.ranked and routed.decision.replica_id in ("a", "b")
+
+
+def test_cache_blind_baselines_see_the_whole_fleet():
+    """random and least-loaded choose over every replica, as in the simulator: least-loaded
+    finds the one idle replica among 200 even though nothing matched it and sampling would
+    rarely draw it."""
+    ids = [f"r{i}" for i in range(200)]
+    table = _table({rid: _load(running=3, pending=500) for rid in ids} | {"r123": _load()})
+    decider = Decider(make_policy("least-loaded", seed=0), table, InflightPrefixes(3.0), sampled=4)
+    routed = _score(decider, ids, Lookup(None, {"r7": ReplicaEntry(10)}))
+    assert routed.decision.replica_id == "r123"
+    assert len(routed.ranked) == 200
+    seen = set()
+    random_decider = Decider(make_policy("random", seed=1), table, InflightPrefixes(3.0), sampled=4)
+    for _ in range(400):
+        seen.add(_score(random_decider, ids, Lookup(None)).decision.replica_id)
+    assert len(seen) > 100  # uniform over 200, not over a handful of sampled ones

@@ -37,6 +37,14 @@ class Heartbeat:
 # for RedisConfig, the router and the gateway's AppConfig.redis_timeout_s.
 LOOKUP_TIMEOUT_S = 0.05
 
+# Hash tags the inverted index spreads over: every writer (publisher, vLLM adapter) and reader
+# (router) must use the same number, or they address different keys.
+INDEX_BUCKETS = 16
+
+# How long an in-flight key ({p:bK}:fl:{hash}) and a router's own in-flight memory last: long
+# enough for a replica to finish the prefill and publish its blocks.
+INFLIGHT_TTL_S = 3.0
+
 # Defined once, by the dataclass: the publisher writes these, the load table reads them.
 HEARTBEAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Heartbeat))
 
@@ -51,7 +59,7 @@ def parse_heartbeat(values: list) -> dict[str, int] | None:
 @dataclass(frozen=True)
 class RedisKeys:
     prefix: str = "prefixgate"
-    buckets: int = 16  # hash tags the inverted index is spread over
+    buckets: int = INDEX_BUCKETS
 
     def __post_init__(self) -> None:
         if "{" in self.prefix or "}" in self.prefix:
