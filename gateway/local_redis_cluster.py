@@ -15,9 +15,10 @@ from gateway.local_redis import LocalRedis
 
 
 def _cluster_port() -> int:
-    """A free port whose cluster-bus port (port + 10000) is free and valid too."""
+    """A free port whose cluster-bus port (port + 10000) is free and valid too; both below
+    Linux's ephemeral range (32768+), so no outgoing connection can take them meanwhile."""
     for _ in range(200):
-        port = random.randrange(20000, 55000)
+        port = random.randrange(20000, 22700)
         try:
             for p in (port, port + 10000):
                 with socket.socket() as s:

@@ -177,7 +177,7 @@ def test_live_fleet_matches_the_simulator(stack, capsys):
     (aff, aff_sim), (rnd, _) = results["affinity"], results["random"]
     assert aff.errors == 0 and rnd.errors == 0, (aff.error_kinds, rnd.error_kinds)
     assert aff.step_lag is not None  # every sim replica reports it through its heartbeat
-    assert abs(aff.hit_rate - aff_sim.hit_rate) <= 0.03, (aff.hit_rate, aff_sim.hit_rate)
+    assert abs(aff.hit_rate - aff_sim.hit_rate) <= 0.05, (aff.hit_rate, aff_sim.hit_rate)  # the 5 points
     assert aff.hit_vs_pooled >= 0.8
     assert aff.hit_rate > rnd.hit_rate + 0.015
     assert aff.reasons.get("prefix", 0) > 0
