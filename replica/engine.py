@@ -21,9 +21,14 @@ from replica.block_manager import BlockManager, KVEventListener
 from replica.constrained import Grammars
 from replica.default_model import resolve_model
 from replica.detokenizer import Detokenizer
-from replica.engine_types import EngineConfig, EngineStats, InvalidRequestError, RequestOutput
+from replica.engine_types import (
+    EngineConfig,
+    EngineStats,
+    InvalidRequestError,
+    RequestOutput,
+    request_output,
+)
 from replica.model_runner import ModelRunner, default_dtype
-from replica.request_metrics import RequestMetrics
 from replica.sampler import Sampler
 from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler, SchedulerConfig
@@ -207,32 +212,8 @@ class LLMEngine:
         return None
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = self.detokenizer.emittable(seq)
-        new_text = text[seq.emitted_text_len :]
-        seq.emitted_text_len = len(text)
-        out_ids = seq.output_token_ids
-        new_ids = out_ids[seq.emitted_tokens :]
-        seq.emitted_tokens = len(out_ids)
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            token_ids=list(out_ids),
-            text=text,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=max(seq.num_cached_tokens, 0),
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            metrics=self._request_metrics(seq) if seq.is_finished else None,
-        )
-
-    def _request_metrics(self, seq: Sequence) -> RequestMetrics:
-        return RequestMetrics(
-            arrival_time=seq.arrival_time, first_scheduled_time=self._scheduled_at.pop(seq.request_id, None),
-            first_token_time=seq.first_token_time, finished_time=time.monotonic(),
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
-            num_generation_tokens=len(seq.output_token_ids), num_preemptions=seq.num_preemptions,
-        )
+        scheduled_at = self._scheduled_at.pop(seq.request_id, None) if seq.is_finished else None
+        return request_output(seq, self.detokenizer.emittable(seq), scheduled_at)
 
     def generate(
         self,

@@ -7,9 +7,14 @@ loading either.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from replica.request_metrics import RequestMetrics
+
+if TYPE_CHECKING:
+    from replica.sequence import Sequence
 
 
 class InvalidRequestError(ValueError):
@@ -61,3 +66,34 @@ class EngineStats:
     pending_prefill_tokens: int = 0
     steps: int = 0
     generated_tokens: int = 0
+
+
+def request_output(seq: Sequence, text: str, scheduled_at: float | None) -> RequestOutput:
+    """What a step tells a sequence's caller: the text and token ids new since the last output,
+    the usage so far, and on the last output the request's timings. Shared by LLMEngine and
+    SimEngine so both account identically (the fleet harness compares them)."""
+    new_text = text[seq.emitted_text_len :]
+    seq.emitted_text_len = len(text)
+    out_ids = seq.output_token_ids
+    new_ids = out_ids[seq.emitted_tokens :]
+    seq.emitted_tokens = len(out_ids)
+    metrics = None
+    if seq.is_finished:
+        metrics = RequestMetrics(
+            arrival_time=seq.arrival_time, first_scheduled_time=scheduled_at,
+            first_token_time=seq.first_token_time, finished_time=time.monotonic(),
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_generation_tokens=len(out_ids), num_preemptions=seq.num_preemptions,
+        )
+    return RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=new_ids,
+        new_text=new_text,
+        token_ids=list(out_ids),
+        text=text,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=max(seq.num_cached_tokens, 0),
+        finished=seq.is_finished,
+        finish_reason=seq.finish_reason,
+        metrics=metrics,
+    )
