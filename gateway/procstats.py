@@ -3,7 +3,6 @@ or a sim replica is. Ray titles Serve replica processes `ray::ServeReplica:APP:D
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +57,3 @@ def summary(mems: list[ProcMemory]) -> dict[str, float | int]:
         out[f"{key}_mean"] = round(sum(values) / len(values), 1)
         out[f"{key}_max"] = round(max(values), 1)
     return out
-
-
-def self_memory() -> ProcMemory:
-    return proc_memory(os.getpid())

@@ -28,16 +28,8 @@ from loadtest.fleet import (
     workload,
 )
 from loadtest.fleet_report import FleetResult, RunSettings, format_side_by_side, oracles, sim_result
-from router.sim.cli import default_trace
+from router.sim.cli import default_trace, parse_overrides
 from router.sim.service import ServiceModel
-
-
-def _kv(items: list[str]) -> dict[str, float]:
-    out = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        out[key.replace("-", "_")] = float(value)
-    return out
 
 
 def _rows_args(p: argparse.ArgumentParser) -> None:
@@ -62,7 +54,7 @@ def _spec(args: argparse.Namespace, replicas: list[int], policies: list[str]) ->
         trace=str(args.trace or default_trace()), start=args.start, requests=args.requests, replicas=replicas,
         policies=policies, capacity=args.capacity, block_size=args.block_size, max_output=args.max_output,
         load_scale=args.load_scale, wall_scale=args.wall_scale, gateways=getattr(args, "gateways", 1),
-        seed=args.seed, service=dataclasses.replace(ServiceModel(), **_kv(args.service)),
+        seed=args.seed, service=dataclasses.replace(ServiceModel(), **parse_overrides(args.service)),
     )
 
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.config import AppConfig  # noqa: E402
 from gateway.local_redis import LocalRedis, free_port  # noqa: E402
 from gateway.stack import LocalStack  # noqa: E402
+from router.protocol.redis_schema import RedisKeys  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["the sea", "a storm", "a lighthouse", "a harbour town", "a long voyage", "the tides", "whales", "a shipwreck"]
@@ -110,8 +111,8 @@ async def _load(url: str, sessions: int, turns: int, max_tokens: int, tag: str) 
 def _pids(config: AppConfig) -> dict[str, int]:
     client = redis.Redis.from_url(config.redis_url, decode_responses=True)
     out = {}
-    for rid in client.smembers(f"{config.key_prefix}:replicas"):
-        hb = client.hgetall(f"{config.key_prefix}:hb:{rid}")
+    for rid in client.smembers(RedisKeys(config.key_prefix).replicas):
+        hb = client.hgetall(RedisKeys(config.key_prefix).heartbeat(rid))
         if hb.get("pid"):
             out[rid] = int(hb["pid"])
     return out
@@ -129,7 +130,7 @@ async def _faults(stack: LocalStack, redis_server: LocalRedis, args, log: list) 
             await at(args.first_kill_s + args.kill_gap_s)
         pids = _pids(stack.config)
         busiest = max(pids, key=lambda rid: int(redis.Redis.from_url(stack.config.redis_url).hget(
-            f"{stack.config.key_prefix}:hb:{rid}", "running") or 0))
+            RedisKeys(stack.config.key_prefix).heartbeat(rid), "running") or 0))
         os.kill(pids[busiest], signal.SIGKILL)
         log.append({"t": round(time.monotonic() - t0, 1), "event": f"SIGKILL replica {busiest} (pid {pids[busiest]})"})
         if k == 0:

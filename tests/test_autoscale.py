@@ -106,7 +106,7 @@ def test_scale_2_3_2_under_load_loses_nothing(stack):
             live = {rid for rid in client.smembers(keys.replicas) if client.exists(keys.heartbeat(rid))}
             registered = client.smembers(keys.replicas)
             holders = set()
-            for key in client.scan_iter(match=f"{{{prefix}:b*}}:blk:*", count=1000):
+            for key in client.scan_iter(match=keys.block_pattern, count=1000):
                 holders |= client.smembers(key)
             if len(live) == 2 and registered == live and holders <= live:
                 break

@@ -17,6 +17,7 @@ import redis
 
 from gateway.config import AppConfig
 from replica.engine import LLMEngine, SamplingParams
+from router.protocol.redis_schema import RedisKeys
 from tests.test_gateway_e2e import MODEL
 
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
@@ -26,8 +27,8 @@ def _heartbeats(config) -> dict[str, dict]:
     client = redis.Redis.from_url(config.redis_url, decode_responses=True)
     prefix = config.key_prefix
     out = {}
-    for rid in client.smembers(f"{prefix}:replicas"):
-        hb = client.hgetall(f"{prefix}:hb:{rid}")
+    for rid in client.smembers(RedisKeys(prefix).replicas):
+        hb = client.hgetall(RedisKeys(prefix).heartbeat(rid))
         if hb:
             out[rid] = hb
     return out

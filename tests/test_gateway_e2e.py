@@ -10,6 +10,8 @@ import httpx
 import pytest
 import redis
 
+from router.protocol.redis_schema import RedisKeys
+
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = "You are a patient geography tutor. Answer in one short sentence and name the country. " * 3
 
@@ -152,7 +154,7 @@ def test_n_choices(stack):
 def _replica_loads(stack) -> list[dict]:
     client = redis.Redis.from_url(stack.config.redis_url, decode_responses=True)
     prefix = stack.config.key_prefix
-    return [client.hgetall(f"{prefix}:hb:{rid}") for rid in client.smembers(f"{prefix}:replicas")]
+    return [client.hgetall(RedisKeys(prefix).heartbeat(rid)) for rid in client.smembers(RedisKeys(prefix).replicas)]
 
 
 def _generated(stack) -> int:

@@ -15,6 +15,7 @@ import redis
 from replica.async_engine import AsyncLLMEngine, EngineDeadError
 from replica.engine import LLMEngine, SamplingParams
 from router.protocol.messages import GenerateRequest
+from router.protocol.redis_schema import RedisKeys
 
 
 async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
@@ -77,7 +78,7 @@ def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
             beats = len(replica.heartbeats)
             await _until(lambda: len(replica.heartbeats) > beats + 1, "a heartbeat during the step", 30)
             client = redis.Redis.from_url(redis_server.url, decode_responses=True)
-            hb = client.hgetall(f"{key_prefix}:hb:{replica.replica_id}")
+            hb = client.hgetall(RedisKeys(key_prefix).heartbeat(replica.replica_id))
             assert int(hb["pending_prefill_tokens"]) == len(prompt)
             assert any(s == k and f == k - 1 for s, f in replica.heartbeats)
             assert still_in_step(), "the heartbeat waited for the step"

@@ -8,6 +8,7 @@ import uuid
 
 import httpx
 
+from router.protocol.redis_schema import RedisKeys
 from tests.test_gateway_e2e import MODEL, chat
 
 LONG_SYSTEM = (
@@ -83,7 +84,7 @@ def test_redis_outage_falls_back_then_recovers(stack, redis_server):
     client = redis.Redis.from_url(stack.config.redis_url)
     (holder,) = holders
     deadline = time.monotonic() + 30
-    while not client.exists(f"{stack.config.key_prefix}:blocks:{holder}"):
+    while not client.exists(RedisKeys(stack.config.key_prefix).blocks(holder)):
         assert time.monotonic() < deadline, "replica did not re-publish its blocks after the restart"
         time.sleep(0.2)
     time.sleep(0.5)  # the other replica's resync too

@@ -12,6 +12,7 @@ import uuid
 import httpx
 import redis
 
+from router.protocol.redis_schema import RedisKeys
 from tests.test_gateway_e2e import MODEL
 
 
@@ -68,7 +69,7 @@ def test_saturation_one_lookup_per_routed_request(stack):
     routes = [r.headers.get("x-prefixgate-route") for r in ok]
     assert after - before == len(ok), (after - before, len(ok), routes)
     # side effects once per routed request, for the replica that really took it
-    sessions = [client.get(f"{prefix}:session:{prefix}-{i}") for i, r in enumerate(responses) if r.status_code == 200]
+    sessions = [client.get(RedisKeys(prefix).session(f"{prefix}-{i}")) for i, r in enumerate(responses) if r.status_code == 200]
     assert all(sessions), sessions
 
 
@@ -100,7 +101,7 @@ def test_prefix_routing_through_a_redis_cluster(stack, redis_cluster):
     try:
         home = ask(0).headers["x-prefixgate-replica"]
         deadline = time.monotonic() + 10  # bounded wait for the replica's first publish
-        while not client.scard(f"{prefix}:blocks:{home}"):
+        while not client.scard(RedisKeys(prefix).blocks(home)):
             assert time.monotonic() < deadline, "the replica never published its blocks to the cluster"
             time.sleep(0.1)
         for i in range(1, 4):

@@ -74,6 +74,11 @@ class RedisKeys:
         """Inverted-index key of one block: which replicas hold it."""
         return f"{{{self.prefix}:b{block_hash % self.buckets}}}:blk:{block_hash}"
 
+    @property
+    def block_pattern(self) -> str:
+        """SCAN pattern matching every inverted-index key (on every shard of a cluster)."""
+        return f"{{{self.prefix}:b*}}:blk:*"
+
     def inflight(self, block_hash: int) -> str:
         """Where a router just sent this block (same hash tag as the block's key)."""
         return f"{{{self.prefix}:b{block_hash % self.buckets}}}:fl:{block_hash}"

@@ -43,7 +43,8 @@ def capacity_blocks(spec: str, distinct: int) -> int:
     return int(spec)
 
 
-def _kv(items: list[str]) -> dict[str, float]:
+def parse_overrides(items: list[str]) -> dict[str, float]:
+    """KEY=VALUE flags (dashes or underscores) -> dataclass field overrides."""
     out = {}
     for item in items:
         key, _, value = item.partition("=")
@@ -96,8 +97,8 @@ def format_table(rows: list[PolicyResult]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        service = dataclasses.replace(ServiceModel(), **_kv(args.service))
-        policy_opts = _kv(args.policy_opt)
+        service = dataclasses.replace(ServiceModel(), **parse_overrides(args.service))
+        policy_opts = parse_overrides(args.policy_opt)
         requests = load_workload(args)
     except (OSError, TypeError, ValueError) as e:
         print(f"prefixgate sim: {e}", file=sys.stderr)
