@@ -85,8 +85,10 @@ class ModelRunner:
         for them only) plus one block id per decode's context block.
         """
         bs = self.block_size
-        decodes = sorted((c for c in chunks if c.end - c.start == 1 and c.start > 0), key=lambda c: c.end)
-        prefills = [c for c in chunks if not (c.end - c.start == 1 and c.start > 0)]
+        # a decode computes one token at the end of a sequence; a one-token chunk in the middle of
+        # a prompt (the step's token budget ran out) is a prefill chunk that samples nothing
+        decodes = sorted((c for c in chunks if _is_decode(c)), key=lambda c: c.end)
+        prefills = [c for c in chunks if not _is_decode(c)]
         chunks[:] = decodes + prefills
         ids: list[int] = []
         positions: list[int] = []
@@ -164,6 +166,10 @@ class ModelRunner:
         finally:
             attention.set_metadata(None)
         return out.logits[0].float()
+
+
+def _is_decode(c: ScheduledChunk) -> bool:
+    return c.end - c.start == 1 and c.start > 0 and c.samples
 
 
 def _common_prefix_blocks(decodes: list[ScheduledChunk], block_size: int) -> int:

@@ -67,6 +67,17 @@ def test_requests_joining_while_others_decode(tiny):
     assert [done[i] for i in ids] == expected
 
 
+def test_one_token_prefill_chunks_beside_decodes(tiny):
+    """A budget of 2 tokens per step: while one request decodes, the other's prompt advances one
+    token a step, chunks that are neither a decode nor the prompt's end (they sample nothing)."""
+    path, ref = tiny
+    engine = LLMEngine(path, block_size=4, num_blocks=64, max_num_batched_tokens=2, max_num_seqs=2)
+    prompts = _prompts(4, 0, [2, 9])
+    expected = _expect(ref, prompts)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+
+
 def test_eviction_and_preemption_pressure(tiny):
     path, ref = tiny
     # 6 requests of 22 + 12 tokens need 9 blocks each; a 24-block pool forces preemption
