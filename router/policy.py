@@ -242,7 +242,8 @@ class AffinityPolicy(Policy):
     short; evening out new work also evens out how fast each replica's LRU turns over.
 
     Sessions: the replica that served the previous turn is kept while its cost is within
-    `session_slack` times the lowest cost plus `session_margin` x the prompt tokens, so a turn
+    `session_slack` times the lowest cost plus `session_margin` x the prompt tokens plus one
+    request's `decode_weight` (its load figure may still count the previous turn), so a turn
     whose blocks were evicted still lands where the next turn will look for them.
 
     Both margins are relative to the request's own size, so the same defaults hold for 100-token
@@ -303,7 +304,9 @@ class AffinityPolicy(Policy):
         best = self._argmin(near, lambda r: (recent.get(r.replica_id, 0.0), costs[r.replica_id]))
         if session_replica is not None and session_replica != best.replica_id:
             home = next((v for v in replicas if v.replica_id == session_replica), None)
-            limit = self.session_slack * low + self.session_margin * request.num_prompt_tokens
+            # + one request's decode weight: the home's load figure (a heartbeat, refreshed every
+            # half second) usually still counts the session's previous turn, just finished there
+            limit = self.session_slack * low + self.session_margin * request.num_prompt_tokens + self.decode_weight
             if home is not None and costs[session_replica] <= limit:
                 return Decision(home.replica_id, "session", home.matched_blocks)
         if session_replica == best.replica_id:
