@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from replica.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
+    from replica.block_manager import BlockManager
+    from replica.sampling_params import SamplingParams
     from replica.sequence import Sequence
 
 
@@ -97,3 +99,25 @@ def request_output(seq: Sequence, text: str, scheduled_at: float | None) -> Requ
         finish_reason=seq.finish_reason,
         metrics=metrics,
     )
+
+
+def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                     blocks: BlockManager) -> None:
+    """What both engines refuse before a request touches the scheduler: bad parameters, an empty
+    or out-of-vocabulary prompt, more than the context, more blocks than the whole pool."""
+    try:
+        params.validate()
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    if not token_ids:
+        raise InvalidRequestError("prompt is empty")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in token_ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})")
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+            f"model's context of {max_model_len} tokens"
+        )
+    if blocks.blocks_needed(total) > blocks.num_blocks:
+        raise InvalidRequestError(f"request needs {blocks.blocks_needed(total)} blocks but the pool has {blocks.num_blocks}")

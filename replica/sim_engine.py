@@ -27,7 +27,13 @@ import xxhash
 
 from replica.block_manager import BlockManager, KVEventListener
 from replica.detokenizer import Detokenizer
-from replica.engine_types import EngineStats, InvalidRequestError, RequestOutput, request_output
+from replica.engine_types import (
+    EngineStats,
+    InvalidRequestError,
+    RequestOutput,
+    request_output,
+    validate_request,
+)
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.sequence import Sequence
@@ -182,24 +188,8 @@ class SimEngine:
         return self._seeds[cache_salt]
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        try:
-            params.validate()
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                f"model's context of {self.max_model_len} tokens"
-            )
-        if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
-            raise InvalidRequestError(
-                f"request needs {self.blocks.blocks_needed(total)} blocks but the pool has {self.blocks.num_blocks}"
-            )
+        """Refuse what could never run, before it touches the scheduler."""
+        validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.blocks)
 
     def add_request(
         self,
