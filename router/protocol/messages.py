@@ -8,6 +8,16 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 
 @dataclass
+class KvSource:
+    """A pull hint from the router (docs/kv-pull.md): another replica holds the prompt's leading
+    blocks, so the replica taking the request copies their K/V from it instead of computing them.
+    The receiver recomputes the hashes from the prompt itself; a failed pull means recompute."""
+
+    replica_id: str  # the holder, as in the index (Serve's replica unique id)
+    num_blocks: int  # leading full blocks of the prompt to pull from it
+
+
+@dataclass
 class GenerateRequest:
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams fields
@@ -20,6 +30,7 @@ class GenerateRequest:
     # ids, and how many characters of their text were sent); the replica continues after them
     prefix_output_token_ids: list[int] = field(default_factory=list)
     prefix_text_len: int = 0
+    kv_source: KvSource | None = None  # pull these leading blocks from another replica (router's hint)
 
 
 # What a replica streams back, one chunk at a time: plain dicts at runtime (cheap to pickle
