@@ -207,6 +207,74 @@ class BlockManager:
         """(hash, position) of every block served from this pool, for a full index resync."""
         return [(h, self.block_pos[b]) for h, b in self.hash_to_block.items()]
 
+    # ---- K/V transfer between replicas (replica/kv_transfer.py) ---------------------------
+    def pin_prefix(self, hashes: list[int], token_ids: list[int] | None = None) -> list[int]:
+        """Block ids of the leading run of `hashes` held here (cached or in use), each given a
+        reference so eviction cannot reuse it while its K/V is read; `unpin` gives them back.
+        With `token_ids` (the prompt), a block holding other tokens (a collision) ends the run."""
+        bs = self.block_size
+        run: list[int] = []
+        for i, h in enumerate(hashes):
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            stored = self.block_tokens[block]
+            if token_ids is not None and stored is not None and tuple(token_ids[i * bs : (i + 1) * bs]) != stored:
+                break
+            run.append(block)
+        for block in run:
+            self._take(block)
+        return run
+
+    def unpin(self, block_ids: list[int]) -> None:
+        """Release blocks taken by `pin_prefix` (the tail of the run becomes the oldest)."""
+        self.free(BlockTable(block_ids=list(block_ids)))
+
+    def begin_import(self, hashes: list[int], max_blocks: int | None = None) -> list[tuple[int, int]]:
+        """Blocks to receive K/V for the leading `hashes` not held here yet: (index in `hashes`,
+        block id) pairs, taken from the free list or the LRU. At most `max_blocks` (default: all
+        that are available); the caller copies the K/V in, then calls `finish_import`."""
+        held = [self.hash_to_block[h] for h in hashes if h in self.hash_to_block]
+        for block in held:  # the prompt's blocks held here must not be evicted to make room
+            self._take(block)
+        try:
+            limit = self.num_available if max_blocks is None else min(max_blocks, self.num_available)
+            wanted = [i for i, h in enumerate(hashes) if h not in self.hash_to_block][:limit]
+            return list(zip(wanted, self._new_blocks(len(wanted)), strict=True))
+        finally:
+            self.unpin(held)
+
+    def finish_import(self, pairs: list[tuple[int, int]], hashes: list[int], token_ids: list[int] | None) -> int:
+        """Register imported blocks under their hashes exactly as if computed here: cached (ref 0,
+        newest in the LRU) and announced to the listeners. Returns how many were registered."""
+        bs = self.block_size
+        stored: list[int] = []
+        positions: list[int] = []
+        for i, block in pairs:
+            h = hashes[i]
+            self.ref_count[block] = 0
+            if h in self.hash_to_block:  # computed meanwhile by a twin: keep that one
+                self._free.append(block)
+                continue
+            self.hash_to_block[h] = block
+            self.block_hash[block] = h
+            self.block_pos[block] = i
+            end = (i + 1) * bs
+            self.block_tokens[block] = tuple(token_ids[end - bs : end]) if token_ids is not None and len(token_ids) >= end else None
+            self._lru[block] = None
+            stored.append(h)
+            positions.append(i)
+        if stored:
+            for listener in self.listeners:
+                listener.stored(stored, positions)
+        return len(stored)
+
+    def abort_import(self, pairs: list[tuple[int, int]]) -> None:
+        """The copy failed: the taken blocks go back to the free list, nothing is registered."""
+        for _, block in pairs:
+            self.ref_count[block] = 0
+            self._free.append(block)
+
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block: int) -> None:
         if self.ref_count[block] == 0:

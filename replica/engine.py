@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from replica import kv_transfer
 from replica.block_manager import BlockManager, KVEventListener
 from replica.constrained import Grammars
 from replica.default_model import resolve_model
@@ -68,6 +69,8 @@ class LLMEngine:
         self._steps = 0
         self._generated = 0
         self._scheduled_at: dict[str, float] = {}  # request id -> first scheduled (queue time)
+        self.kv_imported_blocks = 0  # blocks pulled from other replicas into this cache
+        self.kv_import_failures = 0  # pulled payloads refused (another shape): recomputed
 
     # ---- submission ---------------------------------------------------------------------
     def add_listener(self, listener: KVEventListener) -> None:
@@ -102,11 +105,14 @@ class LLMEngine:
         cache_salt: str | None = None,
         prefix_output_token_ids: Seq[int] = (),
         prefix_text_len: int | None = None,
+        kv_prefix: kv_transfer.KvBlocks | None = None,
     ) -> str:
         """prefix_output_token_ids: output another replica already generated and sent (a
         migrated stream). They count as this request's output for max_tokens, stop strings
         and text, and are recomputed (or hit in the cache) with the prompt; prefix_text_len
-        is how much of their text the client has seen (default: all of it)."""
+        is how much of their text the client has seen (default: all of it). kv_prefix: the
+        prompt's leading blocks pulled from another replica, imported into the cache before
+        the request is queued (docs/kv-pull.md); blocks that do not fit are recomputed."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
@@ -129,9 +135,19 @@ class LLMEngine:
             self.sampler.add(seq)  # compiles a response_format grammar: refused here, not mid-batch
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
+        if kv_prefix is not None:
+            self._import_kv(kv_prefix, seq)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
+
+    def _import_kv(self, kv: kv_transfer.KvBlocks, seq: Sequence) -> None:
+        """Pulled blocks into the cache; a payload that cannot be used only costs a recompute."""
+        limit = (seq.num_tokens - 1) // self.config.block_size  # the last token is always computed
+        try:
+            self.kv_imported_blocks += kv_transfer.import_blocks(self, kv, seq.table.hashes[:limit], seq.token_ids)
+        except kv_transfer.KvTransferError:
+            self.kv_import_failures += 1
 
     def _check_prefix(self, prefix: list[int], params: SamplingParams) -> None:
         if len(prefix) >= params.max_tokens:

@@ -1,0 +1,207 @@
+"""Pulling a prefix's K/V from the replica that holds it (issue 15, docs/kv-pull.md).
+
+Engine level: two LLMEngine instances of the same model, blocks exported from one and imported
+into the other; greedy output must equal a plain recompute for every tiny family. Block
+manager level: pinning and importing keep ref counts, LRU and events as a computed block would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from replica import kv_transfer
+from replica.block_manager import BlockManager, BlockTable
+from replica.sampling_params import SamplingParams
+from router.protocol.hashing import block_hashes
+from tests.conftest import TINY_FAMILIES
+
+BS = 4
+
+
+class Listener:
+    def __init__(self) -> None:
+        self.stored_events: list[tuple[list[int], list[int]]] = []
+        self.removed_events: list[int] = []
+
+    def stored(self, hashes, positions) -> None:
+        self.stored_events.append((list(hashes), list(positions)))
+
+    def removed(self, hashes) -> None:
+        self.removed_events.extend(hashes)
+
+    def cleared(self) -> None:
+        pass
+
+
+def _engine(path: str, num_blocks: int = 64):
+    from replica.engine import LLMEngine
+
+    return LLMEngine(path, block_size=BS, num_blocks=num_blocks)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, 380, size=n)]
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _run(engine, prompt, kv=None):
+    rid = engine.add_request(prompt, GREEDY, kv_prefix=kv)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+
+
+# ---- engine level: pulled == recomputed, every family ------------------------------------------
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_pulled_prefix_gives_recompute_output(tiny_model_dirs, family):
+    holder, puller = _engine(tiny_model_dirs[family]), _engine(tiny_model_dirs[family])
+    listener = Listener()
+    puller.add_listener(listener)
+    prompt = _prompt(42, seed=1)
+    recomputed = _run(holder, prompt)  # cold: every token computed; leaves the prompt cached
+    assert recomputed.num_cached_tokens == 0
+
+    assert holder.blocks.cached_hashes(), "the holder caches the prompt's full blocks"
+    hashes = block_hashes(prompt, BS, puller.hash_seed(None))
+    kv = kv_transfer.export_prefix(holder, hashes, prompt)
+    assert kv.num_blocks == len(hashes) == 42 // BS
+    assert kv.hashes == hashes
+    # the holder's pins were released: every block is back in its LRU, none in use
+    assert holder.blocks.num_used == 0
+
+    pulled = _run(puller, prompt, kv)
+    usable = (len(prompt) - 1) // BS  # the last prompt token is always computed
+    assert pulled.num_cached_tokens == usable * BS
+    assert pulled.token_ids == recomputed.token_ids
+    assert puller.kv_imported_blocks == usable
+    # announced to the index listeners exactly as computed blocks are: hashes with their positions
+    imported = [(h, p) for hs, ps in listener.stored_events for h, p in zip(hs, ps, strict=True)]
+    assert imported[:usable] == [(hashes[i], i) for i in range(usable)]
+
+
+def test_corrupted_payload_changes_output(tiny_model_dirs):
+    """Control: the parity above could fail. Same hashes, K/V scaled: another greedy output."""
+    holder, puller = _engine(tiny_model_dirs["llama"]), _engine(tiny_model_dirs["llama"])
+    prompt = _prompt(42, seed=1)
+    recomputed = _run(holder, prompt)
+    kv = kv_transfer.export_prefix(holder, block_hashes(prompt, BS, holder.hash_seed(None)), prompt)
+    kv.k = kv.k * -3.0
+    kv.v = kv.v * -3.0
+    pulled = _run(puller, prompt, kv)
+    assert pulled.num_cached_tokens > 0
+    assert pulled.token_ids != recomputed.token_ids
+
+
+def test_incompatible_payload_is_recomputed(tiny_model_dirs):
+    """Blocks of another shape or dtype are refused, and the request is simply computed."""
+    holder, puller = _engine(tiny_model_dirs["llama"]), _engine(tiny_model_dirs["llama"])
+    prompt = _prompt(30, seed=2)
+    recomputed = _run(holder, prompt)
+    kv = kv_transfer.export_prefix(holder, block_hashes(prompt, BS, holder.hash_seed(None)), prompt)
+    kv.dtype = "float16"
+    pulled = _run(puller, prompt, kv)
+    assert pulled.num_cached_tokens == 0 and pulled.token_ids == recomputed.token_ids
+    assert puller.kv_import_failures == 1 and puller.blocks.num_used == 0
+
+
+def test_foreign_hashes_are_never_imported(tiny_model_dirs):
+    """A payload for another prompt (or tenant) shares no hash with this prompt: nothing enters."""
+    holder, puller = _engine(tiny_model_dirs["llama"]), _engine(tiny_model_dirs["llama"])
+    other = _prompt(30, seed=3)
+    _run(holder, other)
+    kv = kv_transfer.export_prefix(holder, block_hashes(other, BS, holder.hash_seed(None)), other)
+    prompt = _prompt(30, seed=4)
+    pulled = _run(puller, prompt, kv)
+    assert pulled.num_cached_tokens == 0 and puller.kv_imported_blocks == 0
+
+
+# ---- block manager: pin, import ---------------------------------------------------------------
+def _cache(bm: BlockManager, hashes: list[int]) -> list[int]:
+    """Compute-and-free a sequence whose blocks get `hashes` (no tokens: the simulator's way)."""
+    table = BlockTable()
+    bm.allocate(table, len(hashes) * BS + 1)
+    table.hashes = list(hashes)
+    table.num_registered = 0
+    for i, h in enumerate(hashes):
+        block = table.block_ids[i]
+        bm.hash_to_block[h] = block
+        bm.block_hash[block] = h
+    table.num_registered = len(hashes)
+    blocks = table.block_ids[: len(hashes)]
+    bm.free(table)
+    return blocks
+
+
+def test_pinned_blocks_survive_eviction_pressure():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    blocks = _cache(bm, [11, 12, 13])
+    pinned = bm.pin_prefix([11, 12, 99, 13])  # the leading run only: stops at the first miss
+    assert pinned == blocks[:2]
+    assert all(bm.ref_count[b] == 1 for b in pinned)
+    # take every block that can be taken: the pinned ones are not among them
+    table = BlockTable()
+    bm.allocate(table, bm.num_available * BS)
+    assert not set(table.block_ids) & set(pinned)
+    assert bm.hash_to_block[11] == pinned[0] and bm.hash_to_block[12] == pinned[1]
+    bm.unpin(pinned)
+    assert bm.num_cached == 2 and all(bm.ref_count[b] == 0 for b in pinned)
+
+
+def test_pin_checks_tokens_against_collisions():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    table = BlockTable(token_ids=list(range(9)))
+    bm.allocate(table, 9)
+    bm.commit(table, list(range(9)), 8, seed=5)
+    hashes = list(table.hashes)
+    bm.free(table)
+    run = bm.pin_prefix(hashes, list(range(9)))
+    assert len(run) == 2
+    bm.unpin(run)  # balanced: back to zero references
+    assert bm.num_used == 0
+    wrong = [0, 1, 2, 3, 40, 41, 42, 43, 8]  # block 1 holds other tokens under the same hash
+    run = bm.pin_prefix(hashes, wrong)
+    assert len(run) == 1
+    bm.unpin(run)
+    assert bm.num_used == 0
+
+
+def test_import_registers_blocks_like_computed_ones():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    listener = Listener()
+    bm.listeners.append(listener)
+    _cache(bm, [1])  # block for hash 1 already held: skipped
+    pairs = bm.begin_import([1, 2, 3])
+    assert [i for i, _ in pairs] == [1, 2]
+    assert bm.finish_import(pairs, [1, 2, 3], None) == 2
+    assert listener.stored_events[-1] == ([2, 3], [1, 2])
+    assert {h for h, _ in bm.cached_hashes()} == {1, 2, 3}
+    assert bm.num_used == 0 and bm.num_cached == 3
+    # a later request hits all three, exactly as for computed blocks
+    table = BlockTable(hashes=[1, 2, 3])
+    assert bm.allocate(table, 3 * BS + 1) == 3 * BS
+
+
+def test_import_never_evicts_the_prompts_own_blocks_and_stops_when_full():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    listener = Listener()
+    bm.listeners.append(listener)
+    _cache(bm, [1])  # the oldest LRU entry: evicting it would break the prompt's chain
+    _cache(bm, [7, 8])  # another prompt, newer
+    pairs = bm.begin_import([1, 2, 3, 4, 5])
+    assert len(pairs) == 3  # all the pool has besides block 1
+    assert 1 in bm.hash_to_block
+    bm.finish_import(pairs, [1, 2, 3, 4, 5], None)
+    assert {h for h, _ in bm.cached_hashes()} == {1, 2, 3, 4}
+    assert sorted(listener.removed_events) == [7, 8]
+
+
+def test_aborted_import_registers_nothing():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    pairs = bm.begin_import([5, 6])
+    bm.abort_import(pairs)
+    assert bm.num_free == 4 and bm.num_cached == 0 and not bm.hash_to_block
