@@ -31,6 +31,9 @@ class Heartbeat:
     free_blocks: int = 0
     cached_blocks: int = 0
     capacity_blocks: int = 0
+    # measured on the replica (0 until measured), for pricing pulls against recompute (issue 15):
+    kv_pull_bytes_per_s: int = 0  # K/V bytes per second of its recent pulls from other replicas
+    prefill_tokens_per_s: int = 0  # prompt tokens computed per second of prefill, recent requests
 
 
 # The longest a routing decision waits for Redis (then it routes without the index). One value
