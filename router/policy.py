@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from router.transfer_model import TransferModel
+
 
 @dataclass
 class ReplicaView:
@@ -34,16 +36,23 @@ class RouteRequest:
     num_prompt_tokens: int
     block_size: int
     session_id: str | None = None
+    # deepest leading-block match anywhere among the scored replicas: what a pull could fetch
+    # (set by pull-aware policies when they decide, read when they commit)
+    fleet_matched: int = 0
 
 
 @dataclass
 class Decision:
     replica_id: str
-    reason: str  # one of "session", "prefix", "load", "fallback"
+    reason: str  # one of "session", "prefix", "load", "fallback", "pull"
     matched_blocks: int = 0
+    # a pull-aware policy chose to have the replica copy the prompt's leading `pull_blocks`
+    # blocks from `pull_from` (a replica holding them) instead of computing them
+    pull_from: str | None = None
+    pull_blocks: int = 0
 
 
-REASONS = ("session", "prefix", "load", "fallback")
+REASONS = ("session", "prefix", "load", "fallback", "pull")
 
 
 def _require(replicas: list[ReplicaView]) -> None:
@@ -295,9 +304,12 @@ class AffinityPolicy(Policy):
         uncached = request.num_prompt_tokens - matched_blocks * request.block_size
         self._charge(replica_id, max(uncached, 0), fleet_size)
 
+    def _costs(self, request: RouteRequest, replicas: list[ReplicaView]) -> dict[str, float]:
+        return {v.replica_id: self.cost(request, v) for v in replicas}
+
     def decide(self, request, replicas, session_replica=None):
         _require(replicas)
-        costs = {v.replica_id: self.cost(request, v) for v in replicas}
+        costs = self._costs(request, replicas)
         low = min(costs.values())
         near = [v for v in replicas if costs[v.replica_id] <= low + self.balance_tolerance * request.num_prompt_tokens]
         recent = self._recent
@@ -317,10 +329,123 @@ class AffinityPolicy(Policy):
         return Decision(best.replica_id, reason, best.matched_blocks)
 
 
+class AffinityPullPolicy(AffinityPolicy):
+    """Affinity where a replica may copy a prefix's K/V from another replica (issue 15).
+
+    Each replica gets the cheaper of two ways to obtain the prompt's leading blocks it lacks:
+      recompute: miss_weight * uncached_local                      (as affinity)
+      pull:      transfer(pulled) + copy_weight * pulled + miss_weight * uncached_after_pull
+    `pulled` = tokens of the blocks between the replica's own match and the deepest holder's
+    among the scored replicas (the source), offered only where moving them is faster than
+    computing them (`TransferModel.pays`); transfer() is the `TransferModel`'s pull time in
+    prefill-token equivalents (fixed cost + bytes / measured rate, times the measured prefill
+    rate). The queue terms are affinity's, so the replica minimising cost minimises expected
+    time to first token with the option it would use: a hot replica's conversation moves to an
+    idle one once the idle one's pull is cheaper than the hot one's queue, and a hit is kept
+    local otherwise. `copy_weight` charges a pulled token for the duplicate it leaves (a copy
+    evicts someone else's blocks, as a recomputed one does; miss_weight's reason, without its
+    prefill time), which keeps conversations home while queues are short: without it the
+    balance tie-break scatters them and the copies shrink the fleet's effective cache.
+    miss_weight defaults to 8 (affinity: 4): with pulls on offer a recompute is only chosen where
+    no replica holds the prefix, and doubling its price kept hit rate and the TTFT tail best in
+    the simulator (docs/kv-pull.md).
+
+    Rates are calibrated from live measurements (`calibrate`); the defaults are GPU-like.
+    """
+
+    name = "affinity-pull"
+
+    def __init__(
+        self,
+        *,
+        seed: int | None = None,
+        transfer: TransferModel | None = None,
+        copy_weight: float = 1.0,
+        miss_weight: float = 8.0,
+        **affinity_options: float,
+    ) -> None:
+        super().__init__(seed=seed, miss_weight=miss_weight, **affinity_options)
+        self.transfer = transfer or TransferModel()
+        self.copy_weight = copy_weight
+        self._pulls: dict[str, int] = {}  # replica -> pull depth of the last _costs call
+
+    def calibrate(
+        self,
+        bytes_per_s: float | None = None,
+        prefill_tokens_per_s: float | None = None,
+        kv_bytes_per_token: float | None = None,
+    ) -> None:
+        """Price pulls with measured rates (None keeps the current figure)."""
+        self.transfer = self.transfer.calibrated(bytes_per_s, prefill_tokens_per_s, kv_bytes_per_token)
+
+    @staticmethod
+    def source(replicas: list[ReplicaView]) -> ReplicaView | None:
+        """The deepest holder of the prompt's leading blocks (ties: the least busy)."""
+        best = max(replicas, key=lambda v: (v.matched_blocks, -_queued(v)), default=None)
+        return best if best is not None and best.matched_blocks > 0 else None
+
+    def option(self, request: RouteRequest, v: ReplicaView, source: ReplicaView | None) -> tuple[float, int]:
+        """(prefix cost in prefill-token equivalents, pull depth or 0 for recompute) on `v`."""
+        bs = request.block_size
+        tokens = request.num_prompt_tokens
+        recompute = self.miss_weight * max(tokens - v.matched_blocks * bs, 0)
+        if source is None or source.replica_id == v.replica_id:
+            return recompute, 0
+        depth = min(source.matched_blocks, max(tokens - 1, 0) // bs)  # one token is always computed
+        if depth <= v.matched_blocks:
+            return recompute, 0
+        pulled = (depth - v.matched_blocks) * bs
+        if not self.transfer.pays(pulled):  # slower than computing them here: never offered
+            return recompute, 0
+        pull = (
+            self.transfer.pull_tokens_equiv(pulled)
+            + self.copy_weight * pulled
+            + self.miss_weight * max(tokens - depth * bs, 0)
+        )
+        return (pull, depth) if pull < recompute else (recompute, 0)
+
+    def _costs(self, request, replicas):
+        source = self.source(replicas)
+        request.fleet_matched = source.matched_blocks if source is not None else 0
+        costs: dict[str, float] = {}
+        self._pulls = {}
+        for v in replicas:
+            prefix, depth = self.option(request, v, source)
+            costs[v.replica_id] = prefix + v.pending_prefill_tokens + self.decode_weight * _queued(v)
+            if depth:
+                self._pulls[v.replica_id] = depth
+        self._source_id = source.replica_id if source is not None else None
+        return costs
+
+    def rank(self, request, replicas):
+        costs = self._costs(request, replicas)
+        return sorted(replicas, key=lambda v: costs[v.replica_id])
+
+    def decide(self, request, replicas, session_replica=None):
+        decision = super().decide(request, replicas, session_replica)
+        depth = self._pulls.get(decision.replica_id, 0)
+        if depth:
+            decision.pull_from, decision.pull_blocks = self._source_id, depth
+            if decision.reason != "session":
+                decision.reason = "pull"
+        return decision
+
+    def commit(self, request, replica_id, matched_blocks, fleet_size):
+        """Charge the prefill the replica will do: what neither its cache nor a pull covers."""
+        bs = request.block_size
+        tokens = request.num_prompt_tokens
+        uncached = max(tokens - matched_blocks * bs, 0)
+        depth = min(request.fleet_matched, max(tokens - 1, 0) // bs)
+        if depth > matched_blocks and self.transfer.pays((depth - matched_blocks) * bs):
+            uncached = max(tokens - depth * bs, 0)
+        self._charge(replica_id, uncached, fleet_size)
+
+
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         AffinityPolicy,
+        AffinityPullPolicy,
         PrefixPolicy,
         SessionPolicy,
         PowerOfTwoPolicy,

@@ -22,7 +22,7 @@ def idle(n: int) -> list[ReplicaView]:
 
 
 def test_registry_names():
-    assert set(POLICIES) == {"affinity", "prefix", "session", "pow2", "random", "least-loaded"}
+    assert set(POLICIES) == {"affinity", "affinity-pull", "prefix", "session", "pow2", "random", "least-loaded"}
     for name in POLICIES:
         assert make_policy(name, seed=1).name == name
 

@@ -18,6 +18,7 @@ from router.sim.metrics import PolicyResult
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
 from router.sim.service import ServiceModel
 from router.sim.workload import SESSION_MODES, WORKLOADS, SimRequest, distinct_blocks, load_mooncake
+from router.transfer_model import TransferModel
 
 CAPACITY_PRESETS = {"tight": 0.01, "ample": 0.05}  # fraction of the workload's distinct blocks
 BASE_REPLICAS = 8  # --time-scale auto keeps per-replica load at the trace's rate over 8 replicas
@@ -52,6 +53,12 @@ def parse_overrides(items: list[str]) -> dict[str, float]:
     return out
 
 
+def make_transfer(service: ServiceModel, overrides: dict[str, float]) -> TransferModel:
+    """The pull model: GPU-like defaults, prefill rate taken from the service model (the policy
+    prices a pull against the prefill the replicas really run), then the overrides."""
+    return TransferModel(**{"prefill_tokens_per_s": 1.0 / service.prefill_s_per_token, **overrides})
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixgate sim", description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["mooncake", *WORKLOADS], default="mooncake")
@@ -68,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, default=60.0, help="imbalance window, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy-opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="option for the affinity policy, e.g. miss_weight=1.5 (repeatable)")
+                   help="option for the affinity policies, e.g. miss_weight=1.5 (repeatable)")
+    p.add_argument("--transfer", action="append", default=[], metavar="KEY=VALUE",
+                   help="TransferModel override for K/V pulls (affinity-pull), e.g. bytes_per_s=3e9, "
+                        "kv_bytes_per_token=1.3e6, fixed_s=0.005 (repeatable)")
     p.add_argument("--service", action="append", default=[], metavar="KEY=VALUE",
                    help="ServiceModel override, e.g. prefill_s_per_token=1e-4 (repeatable)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -83,13 +93,18 @@ def load_workload(args: argparse.Namespace) -> list[SimRequest]:
 
 
 def format_table(rows: list[PolicyResult]) -> str:
-    head = f"{'policy':<13}{'hit':>7}{'/pooled':>9}{'ttft p50':>10}{'ttft p99':>10}{'imbal p95':>11}{'util':>7}  reasons"
+    """One line per policy; `hit` counts pulled blocks, `pulled` is their share of all blocks."""
+    head = (f"{'policy':<14}{'hit':>7}{'/pooled':>9}{'pulled':>8}{'ttft p50':>10}{'ttft p99':>10}"
+            f"{'imbal p95':>11}{'util':>7}{'MB/req':>8}{'pull p99':>10}  reasons")
     lines = [head]
     for r in rows:
         reasons = " ".join(f"{k}={v}" for k, v in sorted(r.reasons.items()))
+        pulled = r.pulled_blocks / r.prompt_blocks if r.prompt_blocks else 0.0
+        pull_p99 = f"{r.pull_p99_s * 1000:>8.1f}ms" if r.pulled_blocks else f"{'-':>10}"
         lines.append(
-            f"{r.policy:<13}{r.hit_rate:>7.1%}{r.hit_vs_pooled:>9.1%}{r.ttft_p50_s:>9.2f}s"
-            f"{r.ttft_p99_s:>9.2f}s{r.imbalance_p95:>11.2f}{r.utilization:>7.0%}  {reasons}"
+            f"{r.policy:<14}{r.hit_rate:>7.1%}{r.hit_vs_pooled:>9.1%}{pulled:>8.1%}{r.ttft_p50_s:>9.2f}s"
+            f"{r.ttft_p99_s:>9.2f}s{r.imbalance_p95:>11.2f}{r.utilization:>7.0%}"
+            f"{r.bytes_per_request / 1e6:>8.0f}{pull_p99}  {reasons}"
         )
     return "\n".join(lines)
 
@@ -99,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service = dataclasses.replace(ServiceModel(), **parse_overrides(args.service))
         policy_opts = parse_overrides(args.policy_opt)
+        transfer = make_transfer(service, parse_overrides(args.transfer))
         requests = load_workload(args)
     except (OSError, TypeError, ValueError) as e:
         print(f"prefixgate sim: {e}", file=sys.stderr)
@@ -118,11 +134,13 @@ def main(argv: list[str] | None = None) -> int:
             cap = capacity_blocks(spec, distinct)
             pooled = pooled_lru_hits(requests, cap * n) / total
             config = SimConfig(replicas=n, capacity_blocks=cap, service=service,
-                               time_scale=scale, window_s=args.window)
+                               time_scale=scale, window_s=args.window, transfer=transfer)
             rows = []
             t0 = time.perf_counter()
             for name in args.policies:
-                opts = policy_opts if name == "affinity" else {}
+                opts = dict(policy_opts) if name.startswith("affinity") else {}
+                if name == "affinity-pull":
+                    opts["transfer"] = transfer
                 result = run_policy(requests, make_policy(name, seed=args.seed, **opts), config)
                 result.hit_vs_pooled = result.hit_rate / pooled if pooled else float("nan")
                 rows.append(result)
@@ -140,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {
             "workload": args.workload, "requests": len(requests), "prompt_blocks": total,
             "distinct_blocks": distinct, "service": dataclasses.asdict(service),
-            "policy_options": policy_opts, "settings": settings,
+            "policy_options": policy_opts, "transfer": dataclasses.asdict(transfer), "settings": settings,
         }
         args.json.write_text(json.dumps(payload, indent=2))
     return 0

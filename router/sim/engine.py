@@ -19,6 +19,7 @@ from router.sim.metrics import PolicyResult, percentile, window_imbalance
 from router.sim.replica import Job, SimReplica
 from router.sim.service import ServiceModel
 from router.sim.workload import SimRequest
+from router.transfer_model import TransferModel
 
 _PREFILL_DONE = 0
 _FINISH = 1
@@ -32,12 +33,13 @@ class SimConfig:
     service: ServiceModel = field(default_factory=ServiceModel)
     time_scale: float = 1.0  # arrivals happen this many times faster than in the trace
     window_s: float = 60.0  # imbalance window, in simulated (scaled) seconds
+    transfer: TransferModel = field(default_factory=TransferModel)  # K/V pulls between replicas
 
 
 def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) -> PolicyResult:
     index = InMemoryIndex()
     reps = [
-        SimReplica(f"r{i}", config.capacity_blocks, config.block_size, config.service, index)
+        SimReplica(f"r{i}", config.capacity_blocks, config.block_size, config.service, index, config.transfer)
         for i in range(config.replicas)
     ]
     by_id = {r.replica_id: r for r in reps}
@@ -52,7 +54,8 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
     heap: list[tuple[float, int, int, SimReplica, Job | None]] = []
     seq = itertools.count()
     ttfts: list[float] = []
-    hit_blocks = prompt_blocks = rejected = 0
+    pull_times: list[float] = []
+    hit_blocks = pulled_blocks = prompt_blocks = rejected = 0
 
     def start(rep: SimReplica, now: float) -> None:
         end = rep.try_start(now)
@@ -60,13 +63,16 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
             heapq.heappush(heap, (end, next(seq), _PREFILL_DONE, rep, None))
 
     def advance(until: float) -> None:
-        nonlocal hit_blocks
+        nonlocal hit_blocks, pulled_blocks
         while heap and heap[0][0] <= until:
             now, _, kind, rep, job = heapq.heappop(heap)
             if kind == _PREFILL_DONE:
                 job, end = rep.prefill_done(now)
                 ttfts.append(job.ttft)
                 hit_blocks += job.hit_blocks
+                if job.pulled_blocks:
+                    pulled_blocks += job.pulled_blocks
+                    pull_times.append(job.pull_s)
                 if job.window < nwin:
                     work[job.window][pos[rep.replica_id]] += job.uncached
                 heapq.heappush(heap, (end, next(seq), _FINISH, rep, job))
@@ -90,8 +96,17 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
         rep = by_id[decision.replica_id]
         if req.session_id is not None:
             sessions[req.session_id] = rep.replica_id
-        est = max(req.input_tokens - matched[rep.replica_id] * bs, 1)
-        rep.enqueue(Job(req, now, est, int(now // config.window_s)))
+        local = matched[rep.replica_id]
+        job = Job(req, now, 0, int(now // config.window_s))
+        if decision.pull_from is not None and decision.pull_blocks > local:
+            job.pull_from, job.pull_depth = by_id[decision.pull_from], decision.pull_blocks
+            pull_tokens = (decision.pull_blocks - local) * bs
+            # queued work as the policy sees it: the prefill left plus the pull's time
+            job.est_uncached = max(req.input_tokens - decision.pull_blocks * bs, 1) + round(
+                config.transfer.pull_tokens_equiv(pull_tokens))
+        else:
+            job.est_uncached = max(req.input_tokens - local * bs, 1)
+        rep.enqueue(job)
         prompt_blocks += len(req.hashes)
         start(rep, now)
     advance(math.inf)
@@ -105,6 +120,10 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
         rejected=rejected,
         prompt_blocks=prompt_blocks,
         hit_blocks=hit_blocks,
+        pulled_blocks=pulled_blocks,
+        pull_bytes=pulled_blocks * bs * config.transfer.kv_bytes_per_token,
+        pull_p50_s=percentile(pull_times, 50),
+        pull_p99_s=percentile(pull_times, 99),
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p99_s=percentile(ttfts, 99),
         imbalance_p95=window_imbalance(work, 95),

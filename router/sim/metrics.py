@@ -38,19 +38,35 @@ class PolicyResult:
     requests: int
     rejected: int  # prompts larger than a replica's pool
     prompt_blocks: int
-    hit_blocks: int
+    hit_blocks: int  # served from the replica's own cache
     ttft_p50_s: float
     ttft_p99_s: float
     imbalance_p95: float
     utilization: float  # mean prefill busy fraction over the arrival span
     reasons: dict[str, int] = field(default_factory=dict)
     hit_vs_pooled: float = math.nan
+    pulled_blocks: int = 0  # copied from another replica's cache instead of computed
+    pull_bytes: float = 0.0  # K/V bytes moved by those pulls (the transfer model's bytes/token)
+    pull_p50_s: float = math.nan  # modelled transfer time per pulling request
+    pull_p99_s: float = math.nan
 
     @property
     def hit_rate(self) -> float:
+        """Blocks not computed: local hits plus pulled blocks (what the fleet's cache saved)."""
+        return (self.hit_blocks + self.pulled_blocks) / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    @property
+    def local_hit_rate(self) -> float:
         return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    @property
+    def bytes_per_request(self) -> float:
+        served = self.requests - self.rejected
+        return self.pull_bytes / served if served else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
+        d["local_hit_rate"] = self.local_hit_rate
+        d["pull_bytes_per_request"] = self.bytes_per_request
         return d

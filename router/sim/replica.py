@@ -17,6 +17,7 @@ from router.memory_index import InMemoryIndex
 from router.policy import ReplicaView
 from router.sim.service import ServiceModel
 from router.sim.workload import SimRequest
+from router.transfer_model import TransferModel
 
 
 class IndexFeed:
@@ -46,15 +47,21 @@ class Job:
     hit_blocks: int = 0
     uncached: int = 0
     ttft: float = 0.0
+    pull_from: SimReplica | None = None  # the router's pull hint: the holder ...
+    pull_depth: int = 0  # ... and how many leading blocks it held at decision time
+    pulled_blocks: int = 0  # blocks really copied (the holder may have evicted some meanwhile)
+    pull_s: float = 0.0
 
 
 class SimReplica:
     def __init__(
-        self, replica_id: str, capacity_blocks: int, block_size: int, service: ServiceModel, index: InMemoryIndex
+        self, replica_id: str, capacity_blocks: int, block_size: int, service: ServiceModel, index: InMemoryIndex,
+        transfer: TransferModel | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.block_size = block_size
         self.service = service
+        self.transfer = transfer or TransferModel()
         self.bm = BlockManager(num_blocks=capacity_blocks, block_size=block_size)
         self.bm.listeners.append(IndexFeed(replica_id, index))
         self.queue: deque[Job] = deque()
@@ -113,11 +120,30 @@ class SimReplica:
         cached = self.bm.allocate(table, need)
         job.table = table
         job.hit_blocks = cached // self.block_size
-        job.uncached = max(req.input_tokens - cached, 1)
-        dur = self.service.prefill_s(job.uncached, self.decoding)
+        pulled_tokens = self._pull(job)
+        job.uncached = max(req.input_tokens - cached - pulled_tokens, 1)
+        job.pull_s = self.transfer.pull_s(pulled_tokens)
+        dur = job.pull_s + self.service.prefill_s(job.uncached, self.decoding)
         self.current, self.cur_start, self.cur_end = job, now, now + dur
         self.busy_s += dur
         return self.cur_end
+
+    def _pull(self, job: Job) -> int:
+        """Copy the hinted holder's blocks past this replica's own hits; returns prompt tokens
+        covered. Only the leading run the holder still has counts (it may have evicted some
+        since the decision); the copies occupy blocks allocated here and are registered with
+        the rest of the prompt when prefill completes, exactly as computed ones."""
+        src = job.pull_from
+        if src is None or src is self or job.pull_depth <= job.hit_blocks:
+            return 0
+        held = src.bm.hash_to_block
+        n = 0
+        for h in job.req.hashes[job.hit_blocks : job.pull_depth]:
+            if h not in held:
+                break
+            n += 1
+        job.pulled_blocks = n
+        return min(n * self.block_size, max(job.req.input_tokens - 1 - job.hit_blocks * self.block_size, 0))
 
     def prefill_done(self, now: float) -> tuple[Job, float]:
         """Publish the prompt's blocks and move the job to decode; returns (job, finish time)."""

@@ -1,0 +1,215 @@
+"""Issue 15 part B: the transfer model, its calibration, the pull-aware policy and the
+simulator's pulls. Pure logic and the simulator: no Ray, no Redis, no model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.policy import AffinityPullPolicy, ReplicaView, RouteRequest, make_policy
+from router.sim.cli import default_trace, main
+from router.sim.engine import SimConfig, run_policy
+from router.sim.oracle import pooled_lru_hits
+from router.sim.workload import SimRequest, load_mooncake
+from router.transfer_model import RateEstimate, TransferModel, fleet_rate
+
+BS = 512
+TRACE = default_trace()
+
+
+# ---- transfer model -------------------------------------------------------------------------
+
+
+def test_pull_time_is_fixed_cost_plus_bytes_over_rate():
+    t = TransferModel(kv_bytes_per_token=320_000, bytes_per_s=25e9, fixed_s=0.002, prefill_tokens_per_s=7000)
+    assert t.pull_s(0) == 0.0
+    assert t.pull_s(1000) == pytest.approx(0.002 + 1000 * 320_000 / 25e9)
+    assert t.prefill_s(7000) == pytest.approx(1.0)
+    assert t.pull_tokens_equiv(1000) == pytest.approx(t.pull_s(1000) * 7000)
+    # below the break-even link speed no pull beats recomputing, above it long ones do
+    assert t.breakeven_bytes_per_s() == pytest.approx(320_000 * 7000)
+    slow = t.calibrated(bytes_per_s=2e9)
+    assert not slow.pays(100_000)
+    assert t.pays(512) and not t.pays(1)  # one token cannot pay for the fixed cost
+
+
+def test_transfer_model_refuses_nonsense_and_calibration_keeps_unmeasured_figures():
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        TransferModel(bytes_per_s=0)
+    with pytest.raises(ValueError, match="fixed_s"):
+        TransferModel(fixed_s=-1)
+    t = TransferModel()
+    c = t.calibrated(bytes_per_s=5e9, prefill_tokens_per_s=None, kv_bytes_per_token=0)
+    assert c.bytes_per_s == 5e9
+    assert c.prefill_tokens_per_s == t.prefill_tokens_per_s and c.kv_bytes_per_token == t.kv_bytes_per_token
+    assert t.calibrated() is t
+
+
+def test_rate_estimate_weights_by_duration_and_forgets():
+    r = RateEstimate(half_life_s=1.0)
+    assert r.rate is None
+    r.observe(0, 1.0)
+    r.observe(10, 0.0)  # nothing measured: ignored
+    assert r.rate is None and r.samples == 0
+    r.observe(100.0, 1.0)
+    assert r.rate == pytest.approx(100.0)
+    r.observe(1.0, 0.001)  # a tiny transfer, mostly fixed cost, barely moves the estimate
+    assert r.rate == pytest.approx(100.0, rel=0.01)
+    for _ in range(20):  # a long run at a new rate takes over
+        r.observe(10.0, 1.0)
+    assert r.rate == pytest.approx(10.0, rel=0.01)
+
+
+def test_fleet_rate_is_the_median_of_measured_reports():
+    assert fleet_rate([]) is None
+    assert fleet_rate([0, None]) is None
+    assert fleet_rate([10, 0, 30, 1000]) == 30
+
+
+# ---- policy ---------------------------------------------------------------------------------
+
+
+def route(blocks: int, session: str | None = None) -> RouteRequest:
+    return RouteRequest(list(range(1, blocks + 1)), blocks * BS + 1, BS, session)
+
+
+def busy_holder_and_idle_replica() -> list[ReplicaView]:
+    """r0 holds the whole 16-block prefix but has a long queue; r1 is idle and holds nothing."""
+    return [
+        ReplicaView("r0", matched_blocks=16, running=8, waiting=4, pending_prefill_tokens=20_000),
+        ReplicaView("r1"),
+    ]
+
+
+def test_busy_holder_idle_replica_pulls_from_the_holder():
+    p = make_policy("affinity-pull", seed=0)
+    req = route(16)
+    d = p.choose(req, busy_holder_and_idle_replica())
+    assert (d.replica_id, d.reason, d.pull_from, d.pull_blocks) == ("r1", "pull", "r0", 16)
+    # affinity, which cannot pull, stays with the holder (a recompute elsewhere is dearer)
+    assert make_policy("affinity", seed=0).choose(route(16), busy_holder_and_idle_replica()).replica_id == "r0"
+
+
+def test_an_idle_holder_is_a_local_hit_not_a_pull():
+    p = make_policy("affinity-pull", seed=0)
+    d = p.choose(route(16), [ReplicaView("r0", matched_blocks=16), ReplicaView("r1")])
+    assert (d.replica_id, d.pull_from, d.pull_blocks) == ("r0", None, 0)
+
+
+def test_slow_link_means_recompute_and_calibration_changes_the_price():
+    p = AffinityPullPolicy(seed=0)
+    p.calibrate(bytes_per_s=1e9)  # below break-even (320 KB x ~7k tokens/s = 2.24 GB/s)
+    d = p.choose(route(16), busy_holder_and_idle_replica())
+    assert d.pull_from is None
+    p.calibrate(bytes_per_s=25e9)
+    d = p.choose(route(16), busy_holder_and_idle_replica())
+    assert (d.replica_id, d.pull_from) == ("r1", "r0")
+
+
+def test_pull_depth_leaves_one_token_to_compute_and_ranks_fallbacks_by_pull_cost():
+    p = AffinityPullPolicy(seed=0)
+    req = RouteRequest(list(range(1, 9)), 8 * BS, BS)  # exactly 8 full blocks: only 7 can be pulled
+    views = [ReplicaView("r0", matched_blocks=8, running=20, pending_prefill_tokens=50_000),
+             ReplicaView("r1", running=1), ReplicaView("r2", running=2)]
+    d = p.choose(req, views)
+    assert d.pull_blocks == 7 and d.pull_from == "r0"
+    ranked = [v.replica_id for v in p.rank(req, views)]
+    assert ranked == ["r1", "r2", "r0"]
+
+
+def test_commit_charges_only_the_prefill_left_after_a_pull():
+    p = AffinityPullPolicy(seed=0, balance_memory=1e9)
+    req = route(16)
+    d = p.choose(req, busy_holder_and_idle_replica())
+    assert d.replica_id == "r1"
+    charged = p._recent["r1"] / p._growth
+    assert charged == pytest.approx(1)  # 16 blocks pulled, the trailing token computed
+
+
+# ---- simulator ------------------------------------------------------------------------------
+
+
+def chat(prompt_blocks: list[list[int]], gap: float) -> list[SimRequest]:
+    return [SimRequest(i * gap, p, len(p) * BS, 4) for i, p in enumerate(prompt_blocks)]
+
+
+def test_sim_pull_counts_blocks_and_inserts_them_as_if_computed():
+    """A warm-up request caches an 8-block prefix on one replica; then a burst of requests
+    sharing it arrives, more than the holder can take without a queue: some go to the other
+    replica, which pulls the prefix instead of computing it, and holds it from then on."""
+    a = list(range(1, 9))
+    reqs = [SimRequest(0.0, a + [100], 9 * BS, 4)]
+    reqs += [SimRequest(1.0 + i * 0.01, a + [200 + i], 9 * BS, 4) for i in range(20)]
+    config = SimConfig(replicas=2, capacity_blocks=256, block_size=BS)
+    r = run_policy(reqs, make_policy("affinity-pull", seed=0), config)
+    assert r.reasons.get("pull", 0) >= 1
+    assert r.pulled_blocks >= 8
+    assert r.pull_bytes == r.pulled_blocks * BS * config.transfer.kv_bytes_per_token
+    assert r.hit_rate == pytest.approx((r.hit_blocks + r.pulled_blocks) / r.prompt_blocks)
+    assert r.pull_p50_s == pytest.approx(config.transfer.pull_s(8 * BS))
+    # every request after the warm-up got the prefix without computing it: 8 of its 9 blocks
+    assert r.hit_blocks + r.pulled_blocks == 20 * 8
+    # affinity on the same stream never pulls, and computes the prefix again or queues
+    aff = run_policy(reqs, make_policy("affinity", seed=0), config)
+    assert aff.pulled_blocks == 0
+    assert r.ttft_p99_s < aff.ttft_p99_s
+
+
+def test_sim_pull_after_eviction_falls_back_to_recompute():
+    """The holder evicts the prefix between the decision and the pull: nothing is pulled, the
+    request recomputes and still completes."""
+    from router.memory_index import InMemoryIndex
+    from router.sim.replica import Job, SimReplica
+    from router.sim.service import ServiceModel
+
+    index = InMemoryIndex()
+    holder = SimReplica("r0", 4, BS, ServiceModel(), index)
+    puller = SimReplica("r1", 8, BS, ServiceModel(), index)
+    first = SimRequest(0.0, [1, 2, 3], 3 * BS, 1)
+    holder.enqueue(Job(first, 0.0, 3 * BS, 0))
+    holder.try_start(0.0)
+    job, _ = holder.prefill_done(1.0)
+    holder.finish(job)
+    assert index.match([1, 2, 3], ["r0"]) == {"r0": 3}
+    late = SimRequest(1.0, [1, 2, 3, 4], 4 * BS, 1)
+    pull = Job(late, 1.0, BS, 0, pull_from=holder, pull_depth=3)
+    puller.enqueue(pull)
+    other = SimRequest(1.0, [7, 8, 9], 3 * BS, 1)  # evicts 1, 2, 3 from the holder's 4 blocks
+    holder.enqueue(Job(other, 1.0, 3 * BS, 0))
+    holder.try_start(1.0)
+    assert index.match([1, 2, 3], ["r0"])["r0"] < 3
+    assert puller.try_start(1.5) is not None
+    assert pull.pulled_blocks == 0 and pull.uncached == 4 * BS
+    pull_done, _ = puller.prefill_done(3.0)
+    assert index.match([1, 2, 3, 4], ["r1"]) == {"r1": 4}  # recomputed blocks registered
+    puller.finish(pull_done)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="shared Mooncake trace not present")
+def test_mooncake_pulls_raise_hit_rate_towards_the_pooled_oracle():
+    """First 4000 requests (the trace's warm-up, less reuse than the whole), 8 replicas of
+    1000 blocks: pulled blocks count as hits, so affinity-pull gets closer to the pooled oracle
+    than affinity (96.7% vs 92.7% when written) and its median TTFT is lower."""
+    requests = load_mooncake(TRACE, limit=4000)
+    config = SimConfig(replicas=8, capacity_blocks=1000)
+    aff = run_policy(requests, make_policy("affinity", seed=0), config)
+    pull = run_policy(requests, make_policy("affinity-pull", seed=0), config)
+    pooled = pooled_lru_hits(requests, 8 * 1000) / pull.prompt_blocks
+    assert pull.pulled_blocks > 0 and aff.pulled_blocks == 0
+    assert pull.hit_rate > aff.hit_rate
+    assert pull.hit_rate >= 0.95 * pooled
+    assert pull.ttft_p50_s < aff.ttft_p50_s
+
+
+def test_sim_cli_takes_transfer_overrides(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    argv = ["--workload", "rag", "--limit", "400", "--replicas", "4", "--capacity", "300",
+            "--policies", "affinity-pull", "--transfer", "bytes_per_s=3e9", "--json", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["transfer"]["bytes_per_s"] == 3e9
+    row = data["settings"][0]["rows"][0]
+    assert row["policy"] == "affinity-pull" and "pull_bytes_per_request" in row
+    assert "pulled" in capsys.readouterr().out
+    assert main(["--workload", "rag", "--transfer", "bytes_per_s=0"]) == 2
