@@ -18,7 +18,7 @@ from replica.default_model import DEFAULT_MODEL_NAME
 from replica.deployment import PrefixCacheReplica, ReplicaSettings
 from replica.engine_types import EngineConfig
 
-OUR_POLICIES = ("affinity", "prefix", "session", "random", "least-loaded")
+OUR_POLICIES = ("affinity", "affinity-pull", "prefix", "session", "random", "least-loaded")
 RAY_ROUTERS = {
     "pow2": None,  # Ray Serve's default: power of two choices on queue length
     "ray-prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",

@@ -17,7 +17,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-name", default=None, help="served model name (default: the directory name)")
     p.add_argument("--replicas", type=int, default=d.replicas)
-    p.add_argument("--policy", default=d.policy, help="affinity | prefix | session | random | least-loaded | pow2 | ray-prefix | ray-session")
+    p.add_argument("--policy", default=d.policy, help="affinity | affinity-pull | prefix | session | random | least-loaded | pow2 | ray-prefix | ray-session")
     p.add_argument("--redis-url", default=None, help="Redis to use (default: $REDIS_URL, else start a local one)")
     p.add_argument("--key-prefix", default=d.key_prefix)
     p.add_argument("--port", type=int, default=8000)

@@ -14,7 +14,7 @@ class AppConfig:
     model: str | None = None  # local HF model directory; None: bundled SmolLM2-135M-Instruct
     model_name: str | None = None  # served name (and block-hash identity); default: directory name
     replicas: int = 2
-    policy: str = "affinity"  # affinity | prefix | session | random | pow2 | ray-prefix | ray-session
+    policy: str = "affinity"  # affinity | affinity-pull | prefix | session | random | pow2 | ray-prefix | ray-session
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     key_prefix: str = "prefixgate"
     block_size: int = 16

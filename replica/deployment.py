@@ -45,6 +45,18 @@ class ReplicaSettings:
         return asdict(self)
 
 
+def kv_bytes_per_token(engine) -> int:
+    """K/V bytes one token occupies: the sim engine's modelled figure, or the real pool's
+    (k + v over its slots); 0 when unknown. The router prices pulls with it."""
+    modelled = getattr(getattr(engine, "config", None), "kv_bytes_per_token", None)
+    if modelled is not None:
+        return int(modelled)
+    pool = getattr(getattr(engine, "runner", None), "pool", None)
+    if pool is None:
+        return 0
+    return int((pool.k.nbytes + pool.v.nbytes) // pool.k.shape[2])
+
+
 def _replica_id() -> str:
     try:
         from ray import serve
@@ -74,6 +86,7 @@ class PrefixCacheReplica:
         self.engine = AsyncLLMEngine(engine)
         self.metrics = ReplicaMetrics(engine.model_id, engine.max_model_len)  # vLLM's names, through Ray
         self._gauges = asyncio.create_task(self.metrics.run_gauges(self.engine.stats))
+        self.kv_bytes_per_token = kv_bytes_per_token(engine)  # reported for the router's pull pricing
         self.publisher: BlockPublisher | None = None
         self.draining = False
         # (steps started, steps finished) at each heartbeat: shows beats while a step runs
@@ -118,6 +131,11 @@ class PrefixCacheReplica:
         lag = getattr(self.engine.engine, "lag", None)  # sim replica: the fleet harness reads every replica's
         if lag is not None and lag.modelled_s > 0:
             load["step_lag"] = round(lag.actual_s / lag.modelled_s - 1, 4)  # time-weighted, since start
+        if self.kv_bytes_per_token:
+            load["kv_bytes_per_token"] = self.kv_bytes_per_token
+        pull_rates = getattr(self.engine.engine, "pull_rates", None)  # sim engine: its modelled rates
+        if pull_rates is not None:
+            load.update(pull_rates())
         return load
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
@@ -132,6 +150,8 @@ class PrefixCacheReplica:
             if request.prefix_output_token_ids:  # a stream migrated from another replica
                 extra = {"prefix_output_token_ids": request.prefix_output_token_ids,
                          "prefix_text_len": request.prefix_text_len}
+            if request.kv_source is not None and self.settings.sim is not None and request.kv_source.replica_id != self.replica_id:
+                extra["kv_pull_blocks"] = request.kv_source.num_blocks  # modelled pull (replica/sim_engine.py)
             stream = self.engine.generate(
                 request.prompt_token_ids, params, request_id=request.request_id, cache_salt=request.cache_salt, **extra
             )

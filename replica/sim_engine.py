@@ -39,6 +39,7 @@ from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.sequence import Sequence
 from router.protocol.hashing import block_hashes, chain_seed
 from router.sim.service import ServiceModel
+from router.transfer_model import TransferModel
 
 __all__ = ["SimEngine", "SimEngineConfig", "StepLag", "fake_token_text"]
 
@@ -58,6 +59,10 @@ class SimEngineConfig:
     eos_token_ids: list[int] = field(default_factory=list)  # never emitted as fake output
     time_scale: float = 1.0  # run the service model this many times faster in wall time
     service: dict[str, float] = field(default_factory=dict)  # ServiceModel field overrides
+    # K/V pulls (the router's kv_source hint): modelled like the simulator's, GPU-like defaults
+    kv_bytes_per_token: float = 320_000
+    pull_bytes_per_s: float = 25e9
+    pull_fixed_s: float = 0.002
 
     @classmethod
     def for_model_dir(cls, path: str | Path, **kwargs) -> SimEngineConfig:
@@ -77,6 +82,11 @@ class SimEngineConfig:
         if limit:
             facts["max_model_len"] = min(int(limit), kwargs.pop("max_model_len", None) or int(limit))
         return cls(**{**facts, **kwargs})
+
+    def transfer_model(self) -> TransferModel:
+        """What a pull costs (unscaled): the simulator's transfer model with these figures."""
+        return TransferModel(self.kv_bytes_per_token, self.pull_bytes_per_s, self.pull_fixed_s,
+                             1.0 / self.service_model().prefill_s_per_token)
 
     def service_model(self) -> ServiceModel:
         """The unscaled service model, with the chunk and batch limits this engine runs."""
@@ -177,6 +187,11 @@ class SimEngine:
         self._steps = 0
         self._generated = 0
         self._due: float | None = None  # modelled end of the last step, while work remains
+        self.transfer = config.transfer_model()
+        self._pull_s: dict[str, float] = {}  # request id -> modelled pull time, charged when admitted
+        self.pulls = 0  # hints that copied at least one block
+        self.pulled_blocks = 0
+        self.pull_times: list[float] = []  # modelled seconds per pull (bounded below)
 
     # ---- submission ---------------------------------------------------------------------
     def add_listener(self, listener: KVEventListener) -> None:
@@ -199,8 +214,10 @@ class SimEngine:
         cache_salt: str | None = None,
         prefix_output_token_ids: Seq[int] = (),
         prefix_text_len: int | None = None,
+        kv_pull_blocks: int = 0,
     ) -> str:
-        """As LLMEngine.add_request, token ids only (the gateway tokenises)."""
+        """As LLMEngine.add_request, token ids only (the gateway tokenises). `kv_pull_blocks`:
+        the router's pull hint, modelled (`_pull`)."""
         if isinstance(prompt, str):
             raise InvalidRequestError("the simulated engine takes token ids, not text")
         params = params or SamplingParams()
@@ -225,8 +242,36 @@ class SimEngine:
         seq.arrival_time = time.monotonic()
         self._digest[seq.request_id] = xxhash.xxh64_intdigest(array("I", token_ids).tobytes(), seed=params.seed or 0)
         self.requests[seq.request_id] = seq
+        if kv_pull_blocks > 0:
+            self._pull(seq, len(token_ids), kv_pull_blocks)
         self.scheduler.add(seq)
         return seq.request_id
+
+    def _pull(self, seq: Sequence, num_prompt_tokens: int, blocks: int) -> None:
+        """A modelled pull of the prompt's leading `blocks` blocks: the ones not held here are
+        inserted into the BlockManager as if computed (begin/finish_import, events to the index
+        included), so the scheduler finds them as hits; their transfer time is charged to the
+        step that admits the request, as the simulator charges it to the prefill slot. The
+        holder is assumed to still hold them (this process cannot see its cache)."""
+        bs = self.config.block_size
+        n = min(blocks, len(seq.table.hashes), max(num_prompt_tokens - 1, 0) // bs)
+        hashes = seq.table.hashes[:n]
+        pairs = self.blocks.begin_import(hashes)
+        got = self.blocks.finish_import(pairs, hashes, seq.token_ids)
+        if got:
+            pull_s = self.transfer.pull_s(got * bs)
+            self._pull_s[seq.request_id] = pull_s
+            self.pulls += 1
+            self.pulled_blocks += got
+            if len(self.pull_times) < 100_000:
+                self.pull_times.append(pull_s)
+
+    def pull_rates(self) -> dict[str, int]:
+        """Heartbeat fields the router prices pulls with: this engine's modelled rates."""
+        return {
+            "kv_pull_bytes_per_s": int(self.transfer.bytes_per_s),
+            "prefill_tokens_per_s": int(self.transfer.prefill_tokens_per_s),
+        }
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
@@ -234,6 +279,7 @@ class SimEngine:
             return False
         self._digest.pop(request_id, None)
         self._scheduled_at.pop(request_id, None)
+        self._pull_s.pop(request_id, None)
         self.scheduler.finish(seq, "abort")
         return True
 
@@ -268,6 +314,7 @@ class SimEngine:
         for c in chunks:
             self._scheduled_at.setdefault(c.seq.request_id, now)
         modelled = self.modelled_step_s(chunks, admitted)
+        modelled += sum(self._pull_s.pop(c.seq.request_id, 0.0) for c in chunks if id(c.seq) in admitted)
         wall = modelled / self.config.time_scale
         deadline = start + wall
         remaining = deadline - time.monotonic()

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from router.protocol.redis_schema import HEARTBEAT_FIELDS, parse_heartbeat
 from router.redis_index import IndexUnavailable, RedisIndex
+from router.transfer_model import fleet_rate
 
 log = logging.getLogger("prefixgate.router")
 
@@ -53,6 +54,11 @@ class LoadTable:
         n = len(replica_ids)
         draws = self.rng.sample(range(n), min(n, k + len(exclude)))
         return [replica_ids[i] for i in draws if replica_ids[i] not in exclude][:k]
+
+    def measured(self, field: str) -> float | None:
+        """The fleet's figure for a rate the replicas measure (heartbeat field, e.g.
+        kv_pull_bytes_per_s): the median over the replicas that report one, None if none does."""
+        return fleet_rate([v.get(field) for v in self._loads.values()])
 
     def pessimistic(self) -> dict[str, int]:
         """Load to assume for a replica whose heartbeat is missing: as busy as the busiest known

@@ -35,7 +35,7 @@ from router.load_table import LoadTable
 from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
 from router.protocol.hashing import block_hashes, chain_seed
-from router.protocol.messages import GenerateRequest
+from router.protocol.messages import GenerateRequest, KvSource
 from router.protocol.redis_schema import INDEX_BUCKETS, INFLIGHT_TTL_S, LOOKUP_TIMEOUT_S
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
@@ -84,6 +84,7 @@ class PrefixGateRouter(RequestRouter):
         self.decider = Decider(self.policy, self.loads, self.inflight, sampled_replicas) if self.loads is not None else None
         self._decisions: OrderedDict[str, Routed] = OrderedDict()
         self.routed = 0  # requests Ray reported as routed (on_request_routed)
+        self._calibrated_at = -1  # load-table refresh the policy's pull prices were last set from
 
     def _hashes(self, req: GenerateRequest) -> list[int]:
         seed = self._seeds.get(req.cache_salt)
@@ -116,6 +117,7 @@ class PrefixGateRouter(RequestRouter):
         session = pending_request.metadata.session_id or req.session_id or None
         hashes = self._hashes(req)
         route = RouteRequest(hashes, len(req.prompt_token_ids), self.block_size, session)
+        self._calibrate()
         routed = await self._decide(route, by_id)
         self._remember(key, routed)
         decision = routed.decision
@@ -129,7 +131,26 @@ class PrefixGateRouter(RequestRouter):
             "replica": decision.replica_id,
             "matched_blocks": decision.matched_blocks,
         }
+        if decision.pull_from is not None:
+            # the pull hint travels in the request itself: whichever replica takes it (this
+            # decision's or a fallback) copies these leading blocks from the holder
+            req.kv_source = KvSource(decision.pull_from, decision.pull_blocks)
+            req.route["pull_from"] = decision.pull_from
+            req.route["pull_blocks"] = decision.pull_blocks
         return self._ranks(routed, candidate_replicas, by_id)
+
+    def _calibrate(self) -> None:
+        """Price pulls (affinity-pull) with the rates the replicas measured and report in their
+        heartbeats (median over the fleet), once per load-table refresh."""
+        calibrate = getattr(self.policy, "calibrate", None)
+        if calibrate is None or self.loads is None or self.loads.refreshes == self._calibrated_at:
+            return
+        self._calibrated_at = self.loads.refreshes
+        calibrate(
+            bytes_per_s=self.loads.measured("kv_pull_bytes_per_s"),
+            prefill_tokens_per_s=self.loads.measured("prefill_tokens_per_s"),
+            kv_bytes_per_token=self.loads.measured("kv_bytes_per_token"),
+        )
 
     @staticmethod
     def _ranks(routed: Routed, candidates: list[RunningReplica], by_id: dict[str, RunningReplica]) -> list[list[RunningReplica]]:

@@ -10,10 +10,10 @@ Defaults are GPU-like, not this CPU's: a 70B-class model with grouped-query atte
 (a 200 Gb/s NIC class link, or NVLink through a copy engine), 7k prompt tokens/s of prefill
 (the simulator's service model, router/sim/service.py).
 
-Live, the rates are measured, not assumed: each replica keeps an EWMA of the bytes/s its pulls
-achieved and the prompt tokens/s its prefills achieved (`RateEstimate`) and reports both in its
-heartbeat; the router folds the fleet's reports into the model the policy prices with
-(`TransferModel.calibrated`).
+Live, the rates are measured, not assumed: each replica keeps a moving average of the bytes/s
+its pulls achieved and the prompt tokens/s its prefills achieved (replica/kv_pull.py) and
+reports them, with its K/V bytes per token, in its heartbeat; the router folds the fleet's
+reports (`fleet_rate`) into the model the policy prices with (`TransferModel.calibrated`).
 """
 
 from __future__ import annotations
@@ -82,34 +82,6 @@ class TransferModel:
             if value is not None and value > 0:
                 changes[name] = float(value)
         return replace(self, **changes) if changes else self
-
-
-class RateEstimate:
-    """EWMA of a measured rate (amount / seconds), weighting each observation by its duration
-    so a large transfer counts more than a tiny one whose time is mostly fixed cost.
-
-    `half_life_s`: seconds of measured work after which an old observation weighs half."""
-
-    def __init__(self, half_life_s: float = 5.0) -> None:
-        if half_life_s <= 0:
-            raise ValueError("half_life_s must be positive")
-        self.half_life_s = half_life_s
-        self._amount = 0.0
-        self._seconds = 0.0
-        self.samples = 0
-
-    def observe(self, amount: float, seconds: float) -> None:
-        if amount <= 0 or seconds <= 0:
-            return  # nothing measured (an empty pull, a clock that did not move)
-        keep = 0.5 ** (seconds / self.half_life_s)
-        self._amount = self._amount * keep + amount
-        self._seconds = self._seconds * keep + seconds
-        self.samples += 1
-
-    @property
-    def rate(self) -> float | None:
-        """Amount per second, None before the first observation."""
-        return self._amount / self._seconds if self._seconds > 0 else None
 
 
 def fleet_rate(reports: list[float | int | None]) -> float | None:

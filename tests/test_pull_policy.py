@@ -8,11 +8,12 @@ import json
 import pytest
 
 from router.policy import AffinityPullPolicy, ReplicaView, RouteRequest, make_policy
+from router.protocol.hashing import block_hashes
 from router.sim.cli import default_trace, main
 from router.sim.engine import SimConfig, run_policy
 from router.sim.oracle import pooled_lru_hits
 from router.sim.workload import SimRequest, load_mooncake
-from router.transfer_model import RateEstimate, TransferModel, fleet_rate
+from router.transfer_model import TransferModel, fleet_rate
 
 BS = 512
 TRACE = default_trace()
@@ -44,21 +45,6 @@ def test_transfer_model_refuses_nonsense_and_calibration_keeps_unmeasured_figure
     assert c.bytes_per_s == 5e9
     assert c.prefill_tokens_per_s == t.prefill_tokens_per_s and c.kv_bytes_per_token == t.kv_bytes_per_token
     assert t.calibrated() is t
-
-
-def test_rate_estimate_weights_by_duration_and_forgets():
-    r = RateEstimate(half_life_s=1.0)
-    assert r.rate is None
-    r.observe(0, 1.0)
-    r.observe(10, 0.0)  # nothing measured: ignored
-    assert r.rate is None and r.samples == 0
-    r.observe(100.0, 1.0)
-    assert r.rate == pytest.approx(100.0)
-    r.observe(1.0, 0.001)  # a tiny transfer, mostly fixed cost, barely moves the estimate
-    assert r.rate == pytest.approx(100.0, rel=0.01)
-    for _ in range(20):  # a long run at a new rate takes over
-        r.observe(10.0, 1.0)
-    assert r.rate == pytest.approx(10.0, rel=0.01)
 
 
 def test_fleet_rate_is_the_median_of_measured_reports():
@@ -213,3 +199,61 @@ def test_sim_cli_takes_transfer_overrides(tmp_path, capsys):
     assert row["policy"] == "affinity-pull" and "pull_bytes_per_request" in row
     assert "pulled" in capsys.readouterr().out
     assert main(["--workload", "rag", "--transfer", "bytes_per_s=0"]) == 2
+
+
+# ---- sim engine (the live fleet's replicas) -------------------------------------------------
+
+
+def test_sim_engine_models_a_pull_as_cached_blocks_plus_transfer_time():
+    """The router's hint on a sim replica: the hinted blocks enter its BlockManager as if
+    computed (announced to listeners), the request reports them as cached tokens, and the step
+    that admits it costs the modelled transfer instead of their prefill."""
+    from replica.sampling_params import SamplingParams
+    from replica.sim_engine import SimEngine, SimEngineConfig
+
+    bs = 16
+    prompt = list(range(1000, 1000 + 10 * bs + 3))  # 10 full blocks + 3 tokens
+
+    class Events:
+        """KV event listener: what the replica would publish to the index."""
+
+        def __init__(self) -> None:
+            self.hashes: list[int] = []
+
+        def stored(self, hashes: list[int], positions: list[int]) -> None:
+            self.hashes.extend(hashes)
+
+        def removed(self, hashes: list[int]) -> None:
+            pass
+
+        def cleared(self) -> None:
+            pass
+
+    def run(pull_blocks: int) -> tuple[SimEngine, object, float, Events]:
+        e = SimEngine(SimEngineConfig(block_size=bs, num_blocks=64, time_scale=1000.0))
+        events = Events()
+        e.add_listener(events)
+        e.add_request(prompt, SamplingParams(max_tokens=2), request_id="r", kv_pull_blocks=pull_blocks)
+        out = None
+        while e.has_unfinished:
+            for o in e.step():
+                out = o
+        return e, out, e.lag.modelled_s * e.config.time_scale, events
+
+    pulled, out, modelled_pull, events = run(8)
+    assert pulled.pulls == 1 and pulled.pulled_blocks == 8
+    assert out.num_cached_tokens == 8 * bs
+    expected = block_hashes(prompt, bs, pulled.hash_seed())
+    assert events.hashes[:8] == expected[:8]  # announced at the pull, before any compute
+    assert sorted(events.hashes) == sorted(expected)  # then the computed ones
+    cold, cold_out, modelled_cold, _ = run(0)
+    assert cold_out.num_cached_tokens == 0 and cold.pulls == 0
+    # 8 blocks pulled instead of computed: the difference is their prefill minus the transfer
+    service, transfer = cold.service, cold.transfer
+    saved = 8 * bs * service.prefill_s_per_token - transfer.pull_s(8 * bs)
+    assert modelled_cold - modelled_pull == pytest.approx(saved, rel=1e-6)
+    # the hint never pulls the prompt's last token, however many blocks it names
+    e = SimEngine(SimEngineConfig(block_size=bs, num_blocks=64, time_scale=1000.0))
+    e.add_request(list(range(2000, 2000 + 4 * bs)), SamplingParams(max_tokens=1), kv_pull_blocks=99)
+    assert e.pulled_blocks == 3
+    assert e.pull_rates() == {"kv_pull_bytes_per_s": 25_000_000_000, "prefill_tokens_per_s": 7142}

@@ -34,6 +34,7 @@ class Heartbeat:
     # measured on the replica (0 until measured), for pricing pulls against recompute (issue 15):
     kv_pull_bytes_per_s: int = 0  # K/V bytes per second of its recent pulls from other replicas
     prefill_tokens_per_s: int = 0  # prompt tokens computed per second of prefill, recent requests
+    kv_bytes_per_token: int = 0  # K/V bytes one token occupies in its pool (what a pull moves per token)
 
 
 # The longest a routing decision waits for Redis (then it routes without the index). One value
