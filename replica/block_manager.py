@@ -230,8 +230,8 @@ class BlockManager:
         """Release blocks taken by `pin_prefix` (the tail of the run becomes the oldest)."""
         self.free(BlockTable(block_ids=list(block_ids)))
 
-    def begin_import(self, hashes: list[int], max_blocks: int | None = None) -> list[tuple[int, int]]:
-        """Blocks to receive K/V for the leading `hashes` not held here yet: (index in `hashes`,
+    def begin_import(self, hashes: list[int], start: int = 0, max_blocks: int | None = None) -> list[tuple[int, int]]:
+        """Blocks to receive K/V for `hashes[start:]` not held here yet: (index in `hashes`,
         block id) pairs, taken from the free list or the LRU. At most `max_blocks` (default: all
         that are available); the caller copies the K/V in, then calls `finish_import`."""
         held = [self.hash_to_block[h] for h in hashes if h in self.hash_to_block]
@@ -239,7 +239,7 @@ class BlockManager:
             self._take(block)
         try:
             limit = self.num_available if max_blocks is None else min(max_blocks, self.num_available)
-            wanted = [i for i, h in enumerate(hashes) if h not in self.hash_to_block][:limit]
+            wanted = [i for i in range(start, len(hashes)) if hashes[i] not in self.hash_to_block][:limit]
             return list(zip(wanted, self._new_blocks(len(wanted)), strict=True))
         finally:
             self.unpin(held)

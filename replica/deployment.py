@@ -34,6 +34,7 @@ class ReplicaSettings:
     publish_depth: int = 64
     torch_threads: int = 1
     sim: dict | None = None  # SimEngineConfig fields: a simulated-compute replica (no model, no torch)
+    kv_pull_timeout_s: float = 5.0  # a pull hint's round trip (docs/kv-pull.md); past it: recompute
 
     @classmethod
     def from_dict(cls, d: dict) -> ReplicaSettings:
@@ -86,6 +87,11 @@ class PrefixCacheReplica:
         self.engine = AsyncLLMEngine(engine)
         self.metrics = ReplicaMetrics(engine.model_id, engine.max_model_len)  # vLLM's names, through Ray
         self._gauges = asyncio.create_task(self.metrics.run_gauges(self.engine.stats))
+        self.kv_pull = None  # pulls of K/V from other replicas (real engines only)
+        if self.settings.sim is None:
+            from replica import kv_pull
+
+            self.kv_pull = kv_pull.for_replica(self.engine, self.replica_id, kv_pull.KvPullConfig(self.settings.kv_pull_timeout_s))
         self.kv_bytes_per_token = kv_bytes_per_token(engine)  # reported for the router's pull pricing
         self.publisher: BlockPublisher | None = None
         self.draining = False
@@ -131,6 +137,8 @@ class PrefixCacheReplica:
         lag = getattr(self.engine.engine, "lag", None)  # sim replica: the fleet harness reads every replica's
         if lag is not None and lag.modelled_s > 0:
             load["step_lag"] = round(lag.actual_s / lag.modelled_s - 1, 4)  # time-weighted, since start
+        if self.kv_pull is not None:
+            load.update(self.kv_pull.heartbeat())
         if self.kv_bytes_per_token:
             load["kv_bytes_per_token"] = self.kv_bytes_per_token
         pull_rates = getattr(self.engine.engine, "pull_rates", None)  # sim engine: its modelled rates
@@ -150,6 +158,10 @@ class PrefixCacheReplica:
             if request.prefix_output_token_ids:  # a stream migrated from another replica
                 extra = {"prefix_output_token_ids": request.prefix_output_token_ids,
                          "prefix_text_len": request.prefix_text_len}
+            if request.kv_source is not None and self.kv_pull is not None:  # the router's pull hint
+                kv = await self.kv_pull.pull(request.kv_source, request.prompt_token_ids, request.cache_salt)
+                if kv is not None:
+                    extra["kv_prefix"] = kv  # imported with the request's own add, on the engine thread
             if request.kv_source is not None and self.settings.sim is not None and request.kv_source.replica_id != self.replica_id:
                 extra["kv_pull_blocks"] = request.kv_source.num_blocks  # modelled pull (replica/sim_engine.py)
             stream = self.engine.generate(
@@ -163,6 +175,8 @@ class PrefixCacheReplica:
                         delta["logprobs"] = out.logprobs
                     yield delta
                 if out.finished:
+                    if self.kv_pull is not None:
+                        self.kv_pull.observe(out)
                     yield {
                         "type": "end",
                         "finish_reason": out.finish_reason,
@@ -184,6 +198,8 @@ class PrefixCacheReplica:
         stats = asdict(self.engine.stats())
         if self.publisher is not None:
             stats["publisher"] = asdict(self.publisher.stats)
+        if self.kv_pull is not None:
+            stats["kv_pull"] = asdict(self.kv_pull.snapshot())
         return {
             "replica": self.replica_id,
             "model_id": e.model_id,
@@ -197,6 +213,13 @@ class PrefixCacheReplica:
             "torch_loaded": "torch" in sys.modules,
             "stats": stats,
         }
+
+    async def export_kv(self, hashes: list[int], token_ids: list[int], first: int = 0):
+        """Another replica pulling a prefix asks for these blocks (replica/kv_pull.py): the run of
+        hashes[first:] held here, or None."""
+        if self.kv_pull is None:
+            return None
+        return await self.kv_pull.export(hashes, token_ids, first)
 
     async def check_health(self) -> None:
         if not self.engine.alive:

@@ -33,10 +33,11 @@ class KvTransferError(RuntimeError):
 class KvBlocks:
     """The K/V of a leading run of a prompt's blocks, as it travels between replicas."""
 
-    hashes: list[int]  # chained hashes of blocks 0..n-1 of the prompt
+    hashes: list[int]  # chained hashes of the prompt's blocks first .. first+n-1
     k: np.ndarray  # [layers, kv_heads, n, block_size, head_dim]; bf16 travels as its int16 bits
     v: np.ndarray
     dtype: str  # the pool's torch dtype, e.g. "float32"
+    first: int = 0  # index in the prompt of the first block (the receiver held the ones before)
 
     @property
     def num_blocks(self) -> int:
@@ -63,13 +64,14 @@ def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
-def read_blocks(pool: KVPool, block_ids: list[int], hashes: list[int], block_size: int) -> KvBlocks:
-    """Copy pinned blocks out of the pool. Safe off the engine thread: a pinned, hashed block is
-    complete, so no step writes it while it is read."""
+def read_blocks(pool: KVPool, block_ids: list[int], hashes: list[int], block_size: int, first: int = 0) -> KvBlocks:
+    """Copy pinned blocks out of the pool (`hashes` are theirs, from prompt block `first` on).
+    Safe off the engine thread: a pinned, hashed block is complete, so no step writes it."""
     ids = torch.tensor(block_ids, dtype=torch.long, device=pool.k.device)
     k = _blocks_view(pool.k, block_size).index_select(2, ids)
     v = _blocks_view(pool.v, block_size).index_select(2, ids)
-    return KvBlocks(list(hashes[: len(block_ids)]), _to_numpy(k), _to_numpy(v), str(pool.k.dtype).removeprefix("torch."))
+    dtype = str(pool.k.dtype).removeprefix("torch.")
+    return KvBlocks(list(hashes[: len(block_ids)]), _to_numpy(k), _to_numpy(v), dtype, first)
 
 
 def check_compatible(kv: KvBlocks, pool: KVPool, block_size: int) -> None:
@@ -95,9 +97,11 @@ def write_blocks(pool: KVPool, block_ids: list[int], kv: KvBlocks, rows: list[in
 
 
 # ---- engine-level operations (run on the engine's thread: they touch the block manager) ----
-def pin(engine: LLMEngine, hashes: list[int], token_ids: list[int] | None) -> list[int]:
-    """Pin the leading run of `hashes` the engine holds; returns their block ids."""
-    return engine.blocks.pin_prefix(hashes, token_ids)
+def pin(engine: LLMEngine, hashes: list[int], token_ids: list[int] | None, first: int = 0) -> list[int]:
+    """Pin the run of `hashes[first:]` the engine holds (`token_ids`: the whole prompt, to
+    refuse collisions); returns their block ids."""
+    tokens = None if token_ids is None else token_ids[first * engine.config.block_size :]
+    return engine.blocks.pin_prefix(hashes[first:], tokens)
 
 
 def import_blocks(engine: LLMEngine, kv: KvBlocks, hashes: list[int], token_ids: list[int] | None) -> int:
@@ -105,24 +109,24 @@ def import_blocks(engine: LLMEngine, kv: KvBlocks, hashes: list[int], token_ids:
     a wrong or foreign payload can never enter the cache under a prompt's key). Blocks already
     held are skipped; returns how many blocks were registered."""
     check_compatible(kv, engine.runner.pool, engine.config.block_size)
-    n = 0
-    while n < min(len(hashes), kv.num_blocks) and hashes[n] == kv.hashes[n]:
+    f, n = kv.first, 0
+    while n < kv.num_blocks and f + n < len(hashes) and hashes[f + n] == kv.hashes[n]:
         n += 1
     blocks = engine.blocks
-    pairs = blocks.begin_import(hashes[:n])
+    pairs = blocks.begin_import(hashes[: f + n], start=f) if n else []
     try:
-        write_blocks(engine.runner.pool, [b for _, b in pairs], kv, [i for i, _ in pairs], engine.config.block_size)
+        write_blocks(engine.runner.pool, [b for _, b in pairs], kv, [i - f for i, _ in pairs], engine.config.block_size)
     except Exception:
         blocks.abort_import(pairs)
         raise
     return blocks.finish_import(pairs, hashes, token_ids)
 
 
-def export_prefix(engine: LLMEngine, hashes: list[int], token_ids: list[int] | None) -> KvBlocks:
+def export_prefix(engine: LLMEngine, hashes: list[int], token_ids: list[int] | None, first: int = 0) -> KvBlocks:
     """Pin, read and release in one call, for single-threaded use (tests, benchmarks); a replica
     pins and releases on the engine thread and reads off it (PrefixCacheReplica.export_kv)."""
-    block_ids = pin(engine, hashes, token_ids)
+    block_ids = pin(engine, hashes, token_ids, first)
     try:
-        return read_blocks(engine.runner.pool, block_ids, hashes, engine.config.block_size)
+        return read_blocks(engine.runner.pool, block_ids, hashes[first:], engine.config.block_size, first)
     finally:
         engine.blocks.unpin(block_ids)

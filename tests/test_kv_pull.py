@@ -84,6 +84,20 @@ def test_pulled_prefix_gives_recompute_output(tiny_model_dirs, family):
     assert imported[:usable] == [(hashes[i], i) for i in range(usable)]
 
 
+def test_pull_of_the_blocks_past_what_the_puller_holds(tiny_model_dirs):
+    """The puller holds the first blocks already (a shared system prompt): only the rest travel."""
+    holder, puller = _engine(tiny_model_dirs["qwen2"]), _engine(tiny_model_dirs["qwen2"])
+    prompt = _prompt(42, seed=5)
+    recomputed = _run(holder, prompt)
+    _run(puller, prompt[:13] + _prompt(6, seed=6))  # caches blocks 0-2 of the prompt on the puller
+    hashes = block_hashes(prompt, BS, holder.hash_seed(None))
+    kv = kv_transfer.export_prefix(holder, hashes, prompt, first=3)
+    assert kv.first == 3 and kv.num_blocks == len(hashes) - 3 and kv.hashes == hashes[3:]
+    pulled = _run(puller, prompt, kv)
+    assert pulled.num_cached_tokens == (len(prompt) - 1) // BS * BS
+    assert pulled.token_ids == recomputed.token_ids
+
+
 def test_corrupted_payload_changes_output(tiny_model_dirs):
     """Control: the parity above could fail. Same hashes, K/V scaled: another greedy output."""
     holder, puller = _engine(tiny_model_dirs["llama"]), _engine(tiny_model_dirs["llama"])

@@ -1,0 +1,189 @@
+"""Pulls between two real Serve replicas of the real model (the session `stack`), issue 15.
+
+Requests go to a chosen replica through its actor (replica/kv_pull.py's ReplicaCaller, the
+call Serve's handles make), so the test decides who holds a prefix and who pulls it. Greedy
+output after a pull must equal the holder's own cold computation; the pulled blocks must reach
+the index like computed ones; a pull that cannot succeed (holder lacks the blocks, holder
+unknown, holder killed mid-pull) must leave a request that completes with the same output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import redis
+
+from replica.kv_pull import ReplicaCaller
+from router.protocol.hashing import block_hashes, chain_seed
+from router.protocol.messages import GenerateRequest, KvSource
+from router.protocol.redis_schema import RedisKeys
+
+BLOCK = 16
+GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+def _caller() -> ReplicaCaller:
+    from ray.serve._private.common import DeploymentID
+
+    from gateway.stack import APP_NAME
+
+    return ReplicaCaller(DeploymentID(name="PrefixCacheReplica", app_name=APP_NAME))
+
+
+def _wait(cond, what: str, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _live(stack) -> dict[str, dict]:
+    """Replica id -> heartbeat, for replicas beating now."""
+    keys = RedisKeys(stack.config.key_prefix)
+    client = redis.Redis.from_url(stack.config.redis_url, decode_responses=True)
+    out = {}
+    for rid in client.smembers(keys.replicas):
+        hb = client.hgetall(keys.heartbeat(rid))
+        if hb:
+            out[rid] = hb
+    return out
+
+
+def _pair(stack) -> tuple[str, str]:
+    live = _wait(lambda: (lambda x: x if len(x) == 2 else None)(_live(stack)), "two live replicas", 180)
+    a, b = sorted(live)
+    return a, b
+
+
+def _prompt(n: int) -> list[int]:
+    rng = random.Random(os.urandom(8))  # fresh every run: nothing of it is cached yet
+    return [rng.randrange(200, 40000) for _ in range(n)]
+
+
+def _generate(caller: ReplicaCaller, rid: str, req: GenerateRequest) -> tuple[list[int], dict]:
+    """Stream one request from replica `rid`: (output token ids, end chunk)."""
+    import ray
+
+    actor = asyncio.run(caller._actor(rid))
+    gen = actor.handle_request_streaming.options(num_returns="streaming").remote(caller.metadata("generate", True), req)
+    tokens: list[int] = []
+    end: dict = {}
+    for ref in gen:
+        chunk = ray.get(ref, timeout=120)
+        assert chunk["type"] != "error", chunk
+        if chunk["type"] == "delta":
+            tokens += chunk["token_ids"]
+        elif chunk["type"] == "end":
+            end = chunk
+    assert end, "the stream ended without an end chunk"
+    return tokens, end
+
+
+def _stats(caller: ReplicaCaller, rid: str) -> dict:
+    return asyncio.run(caller.call(rid, "info"))["stats"]["kv_pull"]
+
+
+def _request(prompt: list[int], source: KvSource | None = None) -> GenerateRequest:
+    return GenerateRequest(list(prompt), dict(GREEDY), kv_source=source)
+
+
+@pytest.fixture(scope="module")
+def caller(stack) -> ReplicaCaller:
+    return _caller()
+
+
+def test_pull_between_replicas_matches_recompute_and_reaches_the_index(stack, caller):
+    a, b = _pair(stack)
+    prompt = _prompt(20 * BLOCK + 5)
+    reference, cold = _generate(caller, a, _request(prompt))  # a computes it and holds it now
+    assert cold["cached_tokens"] == 0
+    before = _stats(caller, b)
+    assert before["transport"] == "ray-object-store"
+
+    pulled, end = _generate(caller, b, _request(prompt, KvSource(a, 20)))
+    assert pulled == reference
+    assert end["cached_tokens"] == 20 * BLOCK  # the pulled blocks count as cache hits
+    after = _stats(caller, b)
+    assert after["ok"] == before["ok"] + 1
+    assert after["pulled_blocks"] == before["pulled_blocks"] + 20
+    info = asyncio.run(caller.call(b, "info"))
+    per_block = info["stats"]["kv_pull"]["pulled_bytes"] - before["pulled_bytes"]
+    assert per_block == 20 * 30 * 2 * 3 * 64 * 4 * BLOCK  # SmolLM2-135M: 30 layers, 3 K/V heads, fp32
+    assert after["latency_p50_s"] is not None and after["bytes_per_s"] > 0
+
+    # the import went through the normal listener path: b's blocks in the index include them
+    keys = RedisKeys(stack.config.key_prefix)
+    client = redis.Redis.from_url(stack.config.redis_url, decode_responses=True)
+    hashes = block_hashes(prompt, BLOCK, chain_seed(info["model_id"]))[:20]
+    _wait(lambda: {str(h) for h in hashes} <= client.smembers(keys.blocks(b)), "b's pulled blocks in the index", 30)
+    assert all(b in client.smembers(keys.block(h)) for h in hashes)
+    # and the measured rates reach the heartbeat, where the router's pricing reads them
+    _wait(lambda: int(_live(stack)[b].get("kv_pull_bytes_per_s", 0)) > 0, "the pull rate in b's heartbeat", 30)
+
+    # a second request for the same prompt on b is a local hit: no second pull
+    again, end2 = _generate(caller, b, _request(prompt, KvSource(a, 20)))
+    assert again == reference and end2["cached_tokens"] == 20 * BLOCK
+    assert _stats(caller, b)["skipped"] == after["skipped"] + 1
+
+
+def test_pull_that_cannot_succeed_recomputes(stack, caller):
+    a, b = _pair(stack)
+    before = _stats(caller, b)
+    # the hinted holder does not have the blocks (evicted, or a stale index): empty answer
+    lacking = _prompt(10 * BLOCK + 3)
+    got, end = _generate(caller, b, _request(lacking, KvSource(a, 10)))
+    assert end["cached_tokens"] == 0
+    # no such replica: the lookup fails
+    unknown = _prompt(10 * BLOCK + 3)
+    got2, end2 = _generate(caller, b, _request(unknown, KvSource("no-such-replica", 10)))
+    assert end2["cached_tokens"] == 0
+    after = _stats(caller, b)
+    assert after["empty"] == before["empty"] + 1 and after["failed"] == before["failed"] + 1
+    # both outputs are what a plain cold computation gives (on the other replica)
+    assert _generate(caller, a, _request(lacking))[0] == got
+    assert _generate(caller, a, _request(unknown))[0] == got2
+
+
+def test_holder_killed_mid_pull_still_completes(stack, caller):
+    """The holder is frozen (SIGSTOP) so the pull is surely in flight, then SIGKILLed: the
+    request falls back to recompute and gives the holder's own output; Serve replaces it."""
+    a, b = _pair(stack)
+    prompt = _prompt(12 * BLOCK + 7)
+    reference, _ = _generate(caller, a, _request(prompt))
+    pid = int(_live(stack)[a]["pid"])
+    before = _stats(caller, b)
+    result: dict = {}
+
+    def pull() -> None:
+        try:
+            result["out"] = _generate(caller, b, _request(prompt, KvSource(a, 12)))
+        except BaseException as e:  # reported below
+            result["error"] = e
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        worker = threading.Thread(target=pull, daemon=True)
+        worker.start()
+        _wait(lambda: _stats(caller, b)["pulls"] > before["pulls"], "b to start pulling from the frozen holder", 60)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    worker.join(timeout=180)
+    assert not worker.is_alive(), "the request never finished"
+    assert "error" not in result, result.get("error")
+    tokens, end = result["out"]
+    assert tokens == reference and end["cached_tokens"] == 0
+    after = _stats(caller, b)
+    assert after["failed"] + after["timeouts"] == before["failed"] + before["timeouts"] + 1
+    assert after["ok"] == before["ok"]
+    # leave two live replicas for the tests after this one
+    _wait(lambda: a not in _live(stack), "the killed holder's heartbeat to expire", 60)
+    _wait(lambda: len(_live(stack)) == 2, "Serve's replacement replica", 240)
