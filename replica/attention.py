@@ -6,8 +6,9 @@ the shared pool at `slot_mapping`, then attends each request's queries over that
 K/V gathered from the pool through its block table. Cached prefix blocks are read in place.
 
 Decode rows are grouped by context length (see DecodeGroup) so the K/V read per layer follows
-the real tokens, and blocks that every decode's context starts with (a shared system prompt
-hit in the prefix cache) are read once for the whole batch (cascade attention); decode softmax runs in float32 also for bf16 pools. Models whose attention
+the real tokens, and blocks that several decodes' contexts start with (a shared system prompt
+hit in the prefix cache) are read once for all of them (cascade attention, see DecodeCascade);
+decode softmax runs in float32 also for bf16 pools. Models whose attention
 needs what is not implemented here (soft-capping, sinks, a sliding window shorter than the
 context) are refused at load time with UnsupportedModelError.
 
@@ -69,16 +70,29 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeCascade:
+    """Decode rows [start, end) whose contexts start with the same physical `prefix_blocks`.
+
+    The prefix is attended once for all these rows (one matrix product per KV head) and merged
+    with each row's own suffix by log-sum-exp, so a system prompt shared by many requests is
+    read once per step instead of once per request. `prefix_blocks` None: no shared prefix.
+    `groups` cover [start, end) with absolute row ranges, block tables past the prefix.
+    """
+
+    start: int
+    end: int
+    prefix_blocks: torch.Tensor | None
+    groups: list[DecodeGroup] = field(default_factory=list)
+
+
+@dataclass
 class AttentionMetadata:
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
     prefills: list[PrefillSegment] = field(default_factory=list)
     block_size: int = 16
     num_decodes: int = 0  # the first num_decodes rows are single-token decodes
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    # block ids every decode's context starts with (a shared system prompt): attended once for
-    # all decodes, then merged with each group's own suffix (cascade attention). None: no prefix.
-    decode_prefix_blocks: torch.Tensor | None = None
+    decode_cascades: list[DecodeCascade] = field(default_factory=list)  # cover rows [0, num_decodes)
     max_context: int = 0  # longest context in the step (checked against a sliding window)
 
 
@@ -162,23 +176,27 @@ def paged_attention_forward(
 
 
 def _decode(q: torch.Tensor, k_pool, v_pool, meta: AttentionMetadata, scaling: float | None, out: torch.Tensor) -> None:
-    """All decode rows: the shared prefix once (if any), each length group over its own blocks."""
+    """All decode rows: per cascade, the shared prefix once (if any), then each length group
+    over its own blocks."""
     h, _, d = q.shape
     q = q.float() * (scaling if scaling is not None else d**-0.5)  # [H, B, D], scaled once
-    prefix = None
-    if meta.decode_prefix_blocks is not None:
-        prefix = _prefix_attention(q, k_pool, v_pool, meta.decode_prefix_blocks, meta.block_size)
-    for group in meta.decode_groups:
-        rows = q[:, group.start : group.end]
-        if prefix is None:
-            o = _decode_attention(rows, k_pool, v_pool, group, meta.block_size)
-        else:
-            o_s, lse_s = _decode_attention(rows, k_pool, v_pool, group, meta.block_size, with_lse=True)
-            o_p, lse_p = (t[:, group.start : group.end] for t in prefix)  # [KVH, b, G, (D)]
-            lse = torch.logaddexp(lse_p, lse_s)
-            o = o_p * (lse_p - lse).exp_().unsqueeze(-1) + o_s * (lse_s - lse).exp_().unsqueeze(-1)
-        b = group.end - group.start
-        out[group.start : group.end] = o.permute(1, 0, 2, 3).reshape(b, h, d).to(out.dtype)
+    for cascade in meta.decode_cascades:
+        prefix = None
+        if cascade.prefix_blocks is not None:
+            rows = q[:, cascade.start : cascade.end]
+            prefix = _prefix_attention(rows, k_pool, v_pool, cascade.prefix_blocks, meta.block_size)
+        for group in cascade.groups:
+            rows = q[:, group.start : group.end]
+            if prefix is None:
+                o = _decode_attention(rows, k_pool, v_pool, group, meta.block_size)
+            else:
+                o_s, lse_s = _decode_attention(rows, k_pool, v_pool, group, meta.block_size, with_lse=True)
+                lo, hi = group.start - cascade.start, group.end - cascade.start
+                o_p, lse_p = (t[:, lo:hi] for t in prefix)  # [KVH, b, G, (D)]
+                lse = torch.logaddexp(lse_p, lse_s)
+                o = o_p * (lse_p - lse).exp_().unsqueeze(-1) + o_s * (lse_s - lse).exp_().unsqueeze(-1)
+            b = group.end - group.start
+            out[group.start : group.end] = o.permute(1, 0, 2, 3).reshape(b, h, d).to(out.dtype)
 
 
 def _prefix_attention(q: torch.Tensor, k_pool, v_pool, blocks: torch.Tensor, block_size: int):

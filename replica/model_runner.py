@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from replica import attention
-from replica.attention import AttentionMetadata, DecodeGroup, KVPool, PrefillSegment
+from replica.attention import AttentionMetadata, DecodeCascade, DecodeGroup, KVPool, PrefillSegment
 from replica.scheduler import ScheduledChunk
 
 
@@ -79,7 +79,8 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the step's chunks into model inputs and attention metadata.
 
-        Single-token chunks (decodes) are laid out first, sorted by context length and grouped
+        Single-token chunks (decodes) are laid out first: clustered by the physical prefix blocks
+        they share (_prefix_clusters), then sorted by context length and grouped
         (attention.plan_decode_groups); longer chunks attend one request at a time. `chunks`
         is reordered in place to match. Work per step follows the new tokens (slots are computed
         for them only) plus one block id per decode's context block.
@@ -87,7 +88,8 @@ class ModelRunner:
         bs = self.block_size
         # a decode computes one token at the end of a sequence; a one-token chunk in the middle of
         # a prompt (the step's token budget ran out) is a prefill chunk that samples nothing
-        decodes = sorted((c for c in chunks if _is_decode(c)), key=lambda c: c.end)
+        clusters = _prefix_clusters([c for c in chunks if _is_decode(c)], bs)
+        decodes = [c for rows, _ in clusters for c in rows]
         prefills = [c for c in chunks if not _is_decode(c)]
         chunks[:] = decodes + prefills
         ids: list[int] = []
@@ -120,12 +122,17 @@ class ModelRunner:
             prefills=segments, block_size=bs, num_decodes=len(decodes),
             max_context=max((c.end for c in chunks), default=0),
         )
-        shared = _common_prefix_blocks(decodes, bs)
-        if shared:
-            meta.decode_prefix_blocks = torch.tensor(decodes[0].seq.table.block_ids[:shared], dtype=torch.long).to(self.device)
-        lengths = [c.end - shared * bs for c in decodes]  # what each row attends beyond the prefix
-        for start, end in attention.plan_decode_groups(lengths):
-            meta.decode_groups.append(self._decode_group(decodes, lengths, start, end, shared))
+        row = 0
+        for rows, shared in clusters:
+            prefix = None
+            if shared:
+                prefix = torch.tensor(rows[0].seq.table.block_ids[:shared], dtype=torch.long).to(self.device)
+            cascade = DecodeCascade(row, row + len(rows), prefix)
+            lengths = [c.end - shared * bs for c in rows]  # what each row attends beyond the prefix
+            for start, end in attention.plan_decode_groups(lengths):
+                cascade.groups.append(self._decode_group(rows, lengths, start, end, shared, row))
+            meta.decode_cascades.append(cascade)
+            row += len(rows)
         return (
             torch.tensor([ids], device=self.device),
             torch.tensor([positions], device=self.device),
@@ -134,10 +141,10 @@ class ModelRunner:
         )
 
     def _decode_group(
-        self, decodes: list[ScheduledChunk], lengths: list[int], start: int, end: int, skip: int
+        self, decodes: list[ScheduledChunk], lengths: list[int], start: int, end: int, skip: int, offset: int
     ) -> DecodeGroup:
-        """Block tables past the `skip` shared blocks (padded with block 0) and, if lengths
-        differ, the valid-slot mask."""
+        """Rows [start, end) of `decodes` (laid out from row `offset`): block tables past the
+        `skip` shared blocks (padded with block 0) and, if lengths differ, the valid-slot mask."""
         bs = self.block_size
         width = -(-lengths[end - 1] // bs)
         rows = []
@@ -149,7 +156,7 @@ class ModelRunner:
         if any(n != width * bs for n in lengths[start:end]):
             valid = torch.arange(width * bs)[None, :] < torch.tensor(lengths[start:end])[:, None]
             mask = valid[None, :, None, :].to(self.device)
-        return DecodeGroup(start, end, tables.to(self.device), mask)
+        return DecodeGroup(offset + start, offset + end, tables.to(self.device), mask)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -170,6 +177,36 @@ class ModelRunner:
 
 def _is_decode(c: ScheduledChunk) -> bool:
     return c.end - c.start == 1 and c.start > 0 and c.samples
+
+
+MIN_CASCADE_SAVED_BLOCKS = 4  # below this, the cascade's extra small operations cost more than the reads they save
+
+
+def _prefix_clusters(decodes: list[ScheduledChunk], block_size: int) -> list[tuple[list[ScheduledChunk], int]]:
+    """Decode rows clustered by the physical blocks their contexts start with, each with how
+    many leading blocks all its rows share; rows that share nothing worth a cascade come last,
+    together (shared 0). Each cluster is sorted by context length.
+
+    Requests admitted in the same step compute the same system prompt into different blocks,
+    so a batch can hold several copies of one prefix: each copy gets its own cascade.
+    """
+    by_first: dict[int, list[ScheduledChunk]] = {}
+    alone: list[ScheduledChunk] = []
+    for c in decodes:
+        if c.end - 1 >= block_size:  # a full block before the current token
+            by_first.setdefault(c.seq.table.block_ids[0], []).append(c)
+        else:
+            alone.append(c)
+    clusters: list[tuple[list[ScheduledChunk], int]] = []
+    for rows in by_first.values():
+        shared = _common_prefix_blocks(rows, block_size)
+        if shared * (len(rows) - 1) >= MIN_CASCADE_SAVED_BLOCKS:
+            clusters.append((sorted(rows, key=lambda c: c.end), shared))
+        else:
+            alone.extend(rows)
+    if alone:
+        clusters.append((sorted(alone, key=lambda c: c.end), 0))
+    return clusters
 
 
 def _common_prefix_blocks(decodes: list[ScheduledChunk], block_size: int) -> int:

@@ -9,8 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replica import attention
-from replica.attention import AttentionMetadata, DecodeGroup, KVPool, UnsupportedModelError
+from replica.attention import (
+    AttentionMetadata,
+    DecodeCascade,
+    DecodeGroup,
+    KVPool,
+    UnsupportedModelError,
+)
 from replica.engine import LLMEngine, SamplingParams
+from replica.scheduler import ScheduledChunk
+from replica.sequence import Sequence
 
 
 @settings(max_examples=200, deadline=None)
@@ -42,40 +50,62 @@ def _dense_reference(q, k_ctx, v_ctx, scale):
 @pytest.mark.parametrize("shared", [0, 3])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_grouped_decode_matches_dense_attention(dtype, tol, shared):
-    """Mixed lengths in scattered blocks; with `shared`, every row starts with the same 3 blocks
-    (a cached system prompt), attended once and merged with each row's own suffix."""
+    """Mixed lengths in scattered blocks. With `shared`, two cascades: rows starting with the same
+    3 blocks (a cached system prompt), rows starting with another copy of it (2 blocks), each
+    prefix attended once and merged with each row's own suffix; plus rows sharing nothing."""
     torch.manual_seed(0)
     bs, heads, kv_heads, d = 4, 8, 2, 16
-    lengths = [shared * bs + n for n in (3, 5, 8, 9, 30, 64, 201)]
-    own_blocks = [-(-n // bs) - shared for n in lengths]
-    total = shared + sum(own_blocks)
+    clusters = [(shared, (3, 5, 8, 9, 30, 64, 201)), (max(shared - 1, 0), (7, 40)), (0, (2, 17, 33))]
+    lengths = [p * bs + n for p, ns in clusters for n in ns]
+    total = sum(p for p, _ in clusters) + sum(-(-n // bs) for _, ns in clusters for n in ns)
     pool = KVPool.allocate(1, total * bs, kv_heads, d, dtype, "cpu")  # [1, KVH, slots, D]
     pool.k.normal_()
     pool.v.normal_()
-    perm = torch.randperm(total).tolist()  # scattered blocks, as in a busy pool
-    prefix, at = perm[:shared], shared
-    tables = []
-    for n in own_blocks:
-        tables.append(prefix + perm[at : at + n])
-        at += n
-    q = torch.randn(heads, len(lengths), d).to(dtype)
-    scale = d**-0.5
+    perm = iter(torch.randperm(total).tolist())  # scattered blocks, as in a busy pool
     meta = AttentionMetadata(pool=pool, slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs,
                              num_decodes=len(lengths))
-    if shared:
-        meta.decode_prefix_blocks = torch.tensor(prefix)
-    suffix = [n - shared * bs for n in lengths]
-    for start, end in attention.plan_decode_groups(suffix):
-        width = -(-suffix[end - 1] // bs)
-        rows = [t[shared:] + [0] * (width - len(t) + shared) for t in tables[start:end]]
-        valid = torch.arange(width * bs)[None, :] < torch.tensor(suffix[start:end])[:, None]
-        meta.decode_groups.append(DecodeGroup(start, end, torch.tensor(rows), valid[None, :, None, :]))
+    tables, row = [], 0
+    for p, suffix in clusters:
+        prefix = [next(perm) for _ in range(p)]
+        own = [[next(perm) for _ in range(-(-n // bs))] for n in suffix]
+        tables += [prefix + t for t in own]
+        cascade = DecodeCascade(row, row + len(suffix), torch.tensor(prefix) if p else None)
+        for start, end in attention.plan_decode_groups(list(suffix)):
+            width = -(-suffix[end - 1] // bs)
+            rows = [t + [0] * (width - len(t)) for t in own[start:end]]
+            valid = torch.arange(width * bs)[None, :] < torch.tensor(suffix[start:end])[:, None]
+            cascade.groups.append(DecodeGroup(row + start, row + end, torch.tensor(rows), valid[None, :, None, :]))
+        meta.decode_cascades.append(cascade)
+        row += len(suffix)
+    q = torch.randn(heads, len(lengths), d).to(dtype)
+    scale = d**-0.5
     out = torch.empty(len(lengths), heads, d, dtype=dtype)
     attention._decode(q, pool.k[0], pool.v[0], meta, scale, out)
     for i, n in enumerate(lengths):
         slots = torch.tensor([b * bs + o for b in tables[i] for o in range(bs)][:n])
         ref = _dense_reference(q[:, i], pool.k[0][:, slots].transpose(0, 1), pool.v[0][:, slots].transpose(0, 1), scale)
         assert torch.allclose(out[i].double(), ref, atol=tol, rtol=tol), (i, (out[i].double() - ref).abs().max())
+
+
+def test_decodes_cluster_by_the_physical_prefix_they_share():
+    """Two copies of a system prompt (computed by requests admitted in the same step) give two
+    cascades; rows sharing too little to be worth one are attended without a prefix."""
+    from replica.model_runner import _prefix_clusters
+
+    def chunk(blocks, n, rid):
+        seq = Sequence(list(range(n)), SamplingParams(), hash_seed=0, request_id=rid)
+        seq.table.block_ids = blocks
+        return ScheduledChunk(seq, n - 1, n)
+
+    a = [chunk([1, 2, 3, 10 + i], 14 + i % 2, f"a{i}") for i in range(3)]  # copy 1: blocks 1, 2, 3
+    b = [chunk([4, 5, 6, 20 + i], 15, f"b{i}") for i in range(3)]  # copy 2: blocks 4, 5, 6
+    lone = [chunk([7, 8], 6, "lone"), chunk([9], 3, "short")]  # nothing shared / no full block yet
+    clusters = _prefix_clusters([lone[0], b[0], a[0], lone[1], a[1], b[1], a[2], b[2]], 4)
+    got = {tuple(c.seq.request_id for c in rows): shared for rows, shared in clusters}
+    assert got == {("a0", "a2", "a1"): 3, ("b0", "b1", "b2"): 3, ("short", "lone"): 0}
+    assert [shared for _, shared in clusters][-1] == 0  # the prefix-free rows come last
+    two_rows_one_block = [chunk([1, 30], 6, "x"), chunk([1, 31], 6, "y")]  # saves 1 block read: not worth it
+    assert _prefix_clusters(two_rows_one_block, 4) == [(two_rows_one_block, 0)]
 
 
 def test_shared_prefix_is_found_and_bounded():
