@@ -257,3 +257,15 @@ def test_sim_engine_models_a_pull_as_cached_blocks_plus_transfer_time():
     e.add_request(list(range(2000, 2000 + 4 * bs)), SamplingParams(max_tokens=1), kv_pull_blocks=99)
     assert e.pulled_blocks == 3
     assert e.pull_rates() == {"kv_pull_bytes_per_s": 25_000_000_000, "prefill_tokens_per_s": 7142}
+
+
+def test_sim_cli_policy_options_go_to_the_policies_that_take_them():
+    from router.sim.cli import check_options, options_for
+
+    opts = {"copy_weight": 0.5, "miss_weight": 4.0}
+    assert options_for("affinity-pull", opts) == opts
+    assert options_for("affinity", opts) == {"miss_weight": 4.0}
+    assert options_for("least-loaded", opts) == {}
+    check_options(opts)
+    with pytest.raises(ValueError, match="bogus"):
+        check_options({"bogus": 1.0})

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import sys
 import time
 from pathlib import Path
 
-from router.policy import POLICIES, make_policy
+from router.policy import POLICIES, AffinityPolicy, make_policy
 from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import PolicyResult
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
@@ -51,6 +52,24 @@ def parse_overrides(items: list[str]) -> dict[str, float]:
         key, _, value = item.partition("=")
         out[key.replace("-", "_")] = float(value)
     return out
+
+
+def options_for(policy: str, options: dict[str, float]) -> dict[str, float]:
+    """The --policy-opt options a policy takes: affinity's to both affinity policies, the pull
+    policy's own (copy_weight) to it alone; other policies take none."""
+    if not policy.startswith("affinity"):
+        return {}
+    accepted = inspect.signature(POLICIES[policy].__init__).parameters
+    if "affinity_options" in accepted:  # passes the rest on to AffinityPolicy
+        accepted = {**accepted, **inspect.signature(AffinityPolicy.__init__).parameters}
+    return {k: v for k, v in options.items() if k in accepted}
+
+
+def check_options(options: dict[str, float]) -> None:
+    known = {p for name in ("affinity", "affinity-pull") for p in inspect.signature(POLICIES[name].__init__).parameters}
+    unknown = sorted(set(options) - known - {"self", "seed", "transfer", "affinity_options"})
+    if unknown:
+        raise ValueError(f"unknown --policy-opt {', '.join(unknown)}")
 
 
 def make_transfer(service: ServiceModel, overrides: dict[str, float]) -> TransferModel:
@@ -114,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service = dataclasses.replace(ServiceModel(), **parse_overrides(args.service))
         policy_opts = parse_overrides(args.policy_opt)
+        check_options(policy_opts)
         transfer = make_transfer(service, parse_overrides(args.transfer))
         requests = load_workload(args)
     except (OSError, TypeError, ValueError) as e:
@@ -138,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = []
             t0 = time.perf_counter()
             for name in args.policies:
-                opts = dict(policy_opts) if name.startswith("affinity") else {}
+                opts = options_for(name, policy_opts)
                 if name == "affinity-pull":
                     opts["transfer"] = transfer
                 result = run_policy(requests, make_policy(name, seed=args.seed, **opts), config)

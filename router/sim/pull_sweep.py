@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     base = SimConfig(replicas=args.replicas, capacity_blocks=cap, service=service,
                      time_scale=args.replicas / BASE_REPLICAS)
     aff = run_policy(requests, make_policy("affinity", seed=args.seed), base)
+    aff.hit_vs_pooled = aff.hit_rate / pooled
     print(f"{args.workload}, {args.replicas} replicas x {cap} blocks ({args.capacity}); pooled-LRU oracle {pooled:.1%}")
     print(f"affinity (no pulls): hit {aff.hit_rate / pooled:.1%} of pooled, TTFT p50 {aff.ttft_p50_s:.2f} s, "
           f"p99 {aff.ttft_p99_s:.2f} s, imbalance {aff.imbalance_p95:.2f}")
@@ -69,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
             transfer = make_transfer(service, overrides)
             config = dataclasses.replace(base, transfer=transfer)
             r = run_policy(requests, make_policy("affinity-pull", seed=args.seed, transfer=transfer), config)
+            r.hit_vs_pooled = r.hit_rate / pooled
             pulled = r.pulled_blocks / r.prompt_blocks
             pull50 = f"{r.pull_p50_s * 1000:.0f} ms" if r.pulled_blocks else "-"
             pull99 = f"{r.pull_p99_s * 1000:.0f} ms" if r.pulled_blocks else "-"
             print(f"{kv / 1e3:>7.0f}KB{gbs:>6g}{transfer.breakeven_bytes_per_s() / 1e9:>9.2f}GB"
                   f"{r.hit_rate / pooled:>12.1%}{pulled:>8.1%}{r.ttft_p50_s:>7.2f}s{r.ttft_p99_s:>7.2f}s"
                   f"{r.imbalance_p95:>7.2f}{r.bytes_per_request / 1e6:>8.0f}{pull50:>10}{pull99:>10}", flush=True)
-            rows.append({"kv_bytes_per_token": kv, "gb_s": gbs, "hit_vs_pooled": r.hit_rate / pooled,
-                         **r.to_dict()})
+            rows.append({"kv_bytes_per_token": kv, "gb_s": gbs, **r.to_dict()})
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"oracle_pooled": pooled, "affinity": aff.to_dict(), "rows": rows}, indent=2))

@@ -1,0 +1,100 @@
+"""The pull hint through real Ray Serve: affinity-pull decides in the RequestRouter, the hint
+rides in the GenerateRequest Ray serialises to the replica, and the replica acts on it.
+
+A second Serve app beside the session's `stack` (same Ray and HTTP proxy, its own route prefix):
+gateway + PrefixGateRouter(affinity-pull) + 2 sim-compute replicas on the session's Redis. Sim
+replicas run the real BlockManager, scheduler and publisher; a hinted pull inserts the blocks
+as if computed (replica/sim_engine.py), so `cached_tokens` on a replica that never computed the
+prefix proves the hint arrived.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import redis
+
+import tests.test_gateway_e2e as e2e
+from router.protocol.redis_schema import RedisKeys
+
+APP = "pull-sim"
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def pull_gateway(stack, redis_server):
+    from ray import serve
+
+    from gateway.config import AppConfig
+
+    prefix = f"pull-{uuid.uuid4().hex[:6]}"
+    config = AppConfig(engine="sim", replicas=2, policy="affinity-pull", redis_url=redis_server.url, key_prefix=prefix,
+                       default_max_tokens=16, max_model_len=2048, redis_timeout_s=1.0)
+    if APP in serve.status().applications:
+        serve.delete(APP)
+    base = stack.deploy(config, name=APP, route_prefix=f"/{APP}")
+    try:
+        yield SimpleNamespace(url=base, keys=RedisKeys(prefix), redis=redis.Redis.from_url(redis_server.url, decode_responses=True))
+    finally:
+        serve.delete(APP)
+
+
+def _until(cond, what: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _complete(gw, prompt: list[int], max_tokens: int) -> httpx.Response:
+    r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
+                   json={"model": e2e.MODEL, "prompt": prompt, "max_tokens": max_tokens})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_busy_holder_means_the_other_replica_pulls_the_prefix(pull_gateway):
+    gw = pull_gateway
+    base = [1000 + (i * 7919 + 13) % 40000 for i in range(8 * BLOCK)]  # 8 full blocks
+    first = _complete(gw, base + [5], 1)
+    holder = first.headers["x-prefixgate-replica"]
+    _until(lambda: gw.redis.scard(gw.keys.blocks(holder)) >= 8, "the holder's blocks in the index")
+    # heartbeats carry what the router prices pulls with (sim: its modelled rates and K/V size)
+    hb = _until(lambda: gw.redis.hgetall(gw.keys.heartbeat(holder)) or None, "the holder's heartbeat")
+    assert int(hb["kv_bytes_per_token"]) > 0 and int(hb["kv_pull_bytes_per_s"]) > 0
+
+    # a long request on the same prefix keeps the holder busy decoding (~6 s of modelled steps)
+    long_done = threading.Event()
+    long_reply: dict = {}
+
+    def long_request() -> None:
+        try:
+            long_reply["r"] = _complete(gw, base + [6], 240)
+        finally:
+            long_done.set()
+
+    t = threading.Thread(target=long_request, daemon=True)
+    t.start()
+    try:
+        _until(lambda: int(gw.redis.hget(gw.keys.heartbeat(holder), "running") or 0) >= 1,
+               "the holder running the long request")
+        r = _complete(gw, base + [7], 1)
+        other = r.headers["x-prefixgate-replica"]
+        assert other != holder
+        assert r.headers["x-prefixgate-route"] == "pull"
+        # the other replica never computed the prefix: its 8 blocks came with the hint
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BLOCK
+        # ... and are in its cache as if computed: published to the index under its id
+        _until(lambda: gw.redis.scard(gw.keys.blocks(other)) >= 8, "the pulled blocks in the index")
+    finally:
+        assert long_done.wait(120), "the long request never finished"
+        t.join(5)
+    assert long_reply["r"].headers["x-prefixgate-replica"] == holder
