@@ -118,7 +118,7 @@ def sim_settings(config: AppConfig, model_id: str) -> dict | None:
         resolve_model(config.model), model_id=model_id, block_size=config.block_size,
         num_blocks=config.num_blocks or SIM_DEFAULT_BLOCKS, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-        time_scale=config.time_scale, service=dict(config.sim_service),
+        time_scale=config.time_scale, service=dict(config.sim_service), **dict(config.sim_transfer),
     )
     sim.service_model().scaled(sim.time_scale)  # refuses unknown service fields and bad scales here
     return asdict(sim)

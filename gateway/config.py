@@ -50,6 +50,7 @@ class AppConfig:
     engine: str = "model"  # "model": the real engine; "sim": simulated compute (no model, no torch)
     time_scale: float = 1.0  # sim: run the service model this many times faster in wall time
     sim_service: dict[str, float] = field(default_factory=dict)  # sim: ServiceModel overrides
+    sim_transfer: dict[str, float] = field(default_factory=dict)  # sim: pull model (SimEngineConfig kv_bytes_per_token, pull_*)
     sim_replica_num_cpus: float = 0.05  # sim: CPU reserved per replica (many fit on a core)
 
     @classmethod

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from loadtest.fleet_report import FleetResult, RunSettings, live_result, sim_result
 from loadtest.trace_replay import ReplaySettings, replay
-from router.sim.cli import BASE_REPLICAS, capacity_blocks
+from router.sim.cli import BASE_REPLICAS, capacity_blocks, make_transfer
 from router.sim.service import ServiceModel
-from router.sim.trace import load_rows, scale_rows, scale_service, split_fitting
+from router.sim.trace import load_rows, scale_rows, scale_service, scale_transfer, split_fitting
 from router.sim.workload import SimRequest, distinct_blocks
 
 MAX_STEP_LAG = 0.10  # a live run whose replicas fall further behind the model is invalid
@@ -135,8 +135,11 @@ def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key
 
     service = scale_service(spec.service, spec.block_size)
     overrides = {k: v for k, v in dataclasses.asdict(service).items() if k not in ("chunk_tokens", "max_running")}
+    transfer = scale_transfer(make_transfer(spec.service, {}), spec.block_size)  # pulls, as the simulator's
     return AppConfig(
         engine="sim", sim_service=overrides, time_scale=spec.wall_scale, replicas=s.replicas, policy=policy,
+        sim_transfer={"kv_bytes_per_token": transfer.kv_bytes_per_token, "pull_bytes_per_s": transfer.bytes_per_s,
+                      "pull_fixed_s": transfer.fixed_s},
         redis_url=redis_url, key_prefix=key_prefix, block_size=spec.block_size, num_blocks=s.capacity_blocks,
         max_model_len=spec.max_model_len, max_num_seqs=service.max_running,
         max_num_batched_tokens=service.chunk_tokens, seed=spec.seed, gateways=spec.gateways,

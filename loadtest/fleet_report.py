@@ -13,11 +13,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from router.policy import make_policy
+from router.sim.cli import make_transfer
 from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import percentile, window_imbalance
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
 from router.sim.service import ServiceModel
-from router.sim.trace import scale_service
+from router.sim.trace import scale_service, scale_transfer
 from router.sim.workload import SimRequest
 
 # Live policy names the simulator knows by another name (Ray's routers are approximated by ours).
@@ -139,15 +140,17 @@ def sim_result(policy: str, requests: list[SimRequest], s: RunSettings,
                service: ServiceModel | None = None) -> FleetResult:
     """The simulator on the same rows: same block size, capacity, load scale and service model
     (the trace's, converted to the block size), exact and instantaneous router state."""
+    service = service or ServiceModel()
+    transfer = scale_transfer(make_transfer(service, {}), s.block_size)
     config = SimConfig(replicas=s.replicas, capacity_blocks=s.capacity_blocks, block_size=s.block_size,
-                       service=scale_service(service or ServiceModel(), s.block_size),
-                       time_scale=s.load_scale, window_s=s.window_s)
+                       service=scale_service(service, s.block_size),
+                       time_scale=s.load_scale, window_s=s.window_s, transfer=transfer)
     name = SIM_POLICY.get(policy, policy)
-    r = run_policy(requests, make_policy(name, seed=s.seed), config)
+    r = run_policy(requests, make_policy(name, seed=s.seed, **({"transfer": transfer} if name == "affinity-pull" else {})), config)
     pooled, unbounded = oracles(requests, s)
     return FleetResult(
         source="sim", policy=policy, replicas=s.replicas, requests=r.requests, errors=r.rejected,
-        prompt_blocks=r.prompt_blocks, hit_blocks=r.hit_blocks, ttft_p50_s=r.ttft_p50_s,
+        prompt_blocks=r.prompt_blocks, hit_blocks=r.hit_blocks + r.pulled_blocks, ttft_p50_s=r.ttft_p50_s,
         ttft_p99_s=r.ttft_p99_s, imbalance_p95=r.imbalance_p95, reasons=r.reasons,
         utilization=r.utilization, oracle_pooled=pooled, oracle_unbounded=unbounded,
     )

@@ -269,3 +269,29 @@ def test_sim_cli_policy_options_go_to_the_policies_that_take_them():
     check_options(opts)
     with pytest.raises(ValueError, match="bogus"):
         check_options({"bogus": 1.0})
+
+
+def test_scaled_transfer_moves_and_computes_a_block_as_at_512_tokens():
+    """The fleet harness replays the trace at 16-token blocks: a block must cost the same to
+    pull and to compute as a 512-token block at the simulator's scale, on both sides."""
+    from gateway.app import sim_settings
+    from gateway.config import AppConfig
+    from loadtest.fleet import FleetSpec, app_config, settings_for, workload
+    from loadtest.fleet_report import sim_result
+    from router.sim.trace import scale_transfer
+
+    t = TransferModel()
+    s16 = scale_transfer(t, 16)
+    assert s16.pull_s(16) == pytest.approx(t.pull_s(512))
+    assert s16.prefill_s(16) == pytest.approx(t.prefill_s(512))
+    assert s16.breakeven_bytes_per_s() == pytest.approx(t.breakeven_bytes_per_s())
+    if not TRACE.exists():
+        return
+    spec = FleetSpec(trace=str(TRACE), requests=1000, capacity="0.02")
+    s, kept, _ = settings_for(spec, workload(spec), 16)
+    # the live sim replicas get the same scaled pull model the simulator uses
+    cfg = app_config(spec, s, "affinity-pull", "redis://127.0.0.1:1", "x")
+    sim = sim_settings(AppConfig(**{**cfg.__dict__, "engine": "sim"}), "m")
+    assert sim["kv_bytes_per_token"] == pytest.approx(t.kv_bytes_per_token * 32)
+    r = sim_result("affinity-pull", kept, s, spec.service)
+    assert r.reasons.get("pull", 0) > 0  # the fleet's simulator side pulls, and counts them as hits

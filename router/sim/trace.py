@@ -21,6 +21,7 @@ from pathlib import Path
 
 from router.sim.service import ServiceModel
 from router.sim.workload import SimRequest
+from router.transfer_model import TransferModel
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake: one hash id stands for 512 prompt tokens
 TOKEN_ID_RANGE = (1000, 40000)  # ordinary BPE ids of the default vocabulary, clear of special ids
@@ -109,3 +110,12 @@ def scale_service(service: ServiceModel, block_size: int, time_scale: float = 1.
         chunk_tokens=max(1, round(service.chunk_tokens / k)),
     )
     return per_block.scaled(time_scale) if time_scale != 1.0 else per_block
+
+
+def scale_transfer(transfer: TransferModel, block_size: int) -> TransferModel:
+    """The pull model for `block_size`-token blocks, as `scale_service` does for compute: K/V
+    bytes per token times 512/bs and the prefill rate divided by it, so a block moves and
+    computes in the time a 512-token block did (link speed and fixed cost unchanged)."""
+    k = TRACE_BLOCK_TOKENS / block_size
+    return dataclasses.replace(transfer, kv_bytes_per_token=transfer.kv_bytes_per_token * k,
+                               prefill_tokens_per_s=transfer.prefill_tokens_per_s / k)
