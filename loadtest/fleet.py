@@ -156,7 +156,8 @@ def live_run(url: str, spec: FleetSpec, s: RunSettings, policy: str, requests: l
     hbs = read_heartbeats(redis_url, key_prefix) if redis_url and key_prefix else []
     result = live_result(policy, requests, records, s)
     result.step_lag = worst_step_lag(hbs)
-    fallback = result.reasons.get("fallback", 0) / max(sum(result.reasons.values()), 1)
+    # decided without the index: "fallback" (no Redis configured, random's label) or "stale"
+    fallback = (result.reasons.get("fallback", 0) + result.reasons.get("stale", 0)) / max(sum(result.reasons.values()), 1)
     result.valid = (result.step_lag is None or result.step_lag <= MAX_STEP_LAG) and (
         policy == "random" or fallback <= MAX_FALLBACK)  # random's every decision is "fallback"
     result.decision_p50_s, result.decision_p99_s = decision_time(url)

@@ -5,6 +5,9 @@ The policy scores only the replicas that matter for this request: those holding 
 blocks (sampled by the index), the session's last replica, those this router just sent the
 same prefix to, and a few sampled at random for load. So its cost, like the lookup's, does not
 grow with the fleet.
+
+When the index does not answer, the same scoring runs on what the router knows itself (the
+prefixes and sessions it routed recently, its load table): a `stale` decision, not a blind one.
 """
 
 from __future__ import annotations
@@ -18,45 +21,78 @@ from router.load_table import LoadTable
 from router.policy import Decision, Policy, ReplicaView, RouteRequest
 from router.redis_index import Lookup
 
+# How long a router remembers where it sent each prefix, for `stale` decisions when Redis is
+# away (the fresh path counts only INFLIGHT_TTL_S). A replica usually still holds what it was
+# sent half a minute ago; when it does not, the engine just computes what it lacks.
+STALE_MEMORY_S = 30.0
+
 
 class InflightPrefixes:
-    """Prompts this router sent in the last few seconds, by block hash.
+    """Prompts this router sent recently, by block hash.
 
     The index learns about blocks only once a replica has computed them; a second request with
     the same new system prompt arriving meanwhile would look cold everywhere and could be sent
-    to compute it again elsewhere. Counting what we just routed closes that gap.
+    to compute it again elsewhere. Counting what we just routed (the last `ttl_s`) closes that
+    gap. Entries are kept for `keep_s` (>= ttl_s): when Redis is away, what this router sent in
+    that longer window is the best guess of where a prefix is cached (`Decider.degraded`).
     """
 
-    def __init__(self, ttl_s: float, max_entries: int = 200_000) -> None:
+    def __init__(self, ttl_s: float, max_entries: int = 200_000, keep_s: float | None = None) -> None:
         self.ttl_s = ttl_s
+        self.keep_s = max(keep_s if keep_s is not None else ttl_s, ttl_s)
         self.max_entries = max_entries
-        self._entries: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[str, float]] = OrderedDict()  # hash -> (replica, routed at)
 
     def add(self, hashes: list[int], replica_id: str) -> None:
-        expires = time.monotonic() + self.ttl_s
+        now = time.monotonic()
         for h in hashes:
-            self._entries[h] = (replica_id, expires)
+            self._entries[h] = (replica_id, now)
             self._entries.move_to_end(h)
         self._prune()
 
-    def match(self, hashes: list[int]) -> dict[str, int]:
-        """Leading blocks of this prompt recently routed to one replica: {replica: count}."""
-        now = time.monotonic()
+    def match(self, hashes: list[int], max_age_s: float | None = None) -> dict[str, int]:
+        """Leading blocks of this prompt routed to one replica within `max_age_s` (default
+        `ttl_s`): {replica: count}."""
+        oldest = time.monotonic() - (self.ttl_s if max_age_s is None else max_age_s)
         owner, count = None, 0
         for h in hashes:
             entry = self._entries.get(h)
-            if entry is None or entry[1] < now or (owner is not None and entry[0] != owner):
+            if entry is None or entry[1] < oldest or (owner is not None and entry[0] != owner):
                 break
             owner, count = entry[0], count + 1
         return {owner: count} if owner is not None else {}
 
     def _prune(self) -> None:
-        now = time.monotonic()
+        oldest = time.monotonic() - self.keep_s
         while self._entries:
-            h, (_, expires) = next(iter(self._entries.items()))
-            if expires >= now and len(self._entries) <= self.max_entries:
+            h, (_, routed_at) = next(iter(self._entries.items()))
+            if routed_at >= oldest and len(self._entries) <= self.max_entries:
                 break
             del self._entries[h]
+
+
+class SessionMemory:
+    """Each session's last replica as this router sent it, bounded in entries and age.
+
+    Redis holds the shared copy; this one answers when Redis does not (a lookup timed out, or
+    Redis is away), so a conversation's next turn still goes where its blocks are."""
+
+    def __init__(self, ttl_s: float = 1800.0, max_entries: int = 100_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def remember(self, session_id: str, replica_id: str) -> None:
+        self._entries[session_id] = (replica_id, time.monotonic())
+        self._entries.move_to_end(session_id)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, session_id: str | None) -> str | None:
+        entry = self._entries.get(session_id) if session_id else None
+        if entry is None or time.monotonic() - entry[1] > self.ttl_s:
+            return None
+        return entry[0]
 
 
 @dataclass
@@ -73,11 +109,16 @@ class Routed:
 
 
 class Decider:
-    def __init__(self, policy: Policy, loads: LoadTable, inflight: InflightPrefixes, sampled: int = 4) -> None:
+    """Scores the replicas that matter for one request, from the index's answer (`score`) or,
+    when Redis does not answer, from what this router knows locally (`degraded`)."""
+
+    def __init__(self, policy: Policy, loads: LoadTable, inflight: InflightPrefixes, sampled: int = 4,
+                 sessions: SessionMemory | None = None) -> None:
         self.policy = policy
         self.loads = loads
         self.inflight = inflight
         self.sampled = sampled
+        self.sessions = sessions if sessions is not None else SessionMemory()
 
     def score(self, route: RouteRequest, ids: list[str], look: Lookup, queue_len: Callable[[str], int | None]) -> Routed:
         """Decide among the replicas that matter; rank them by the policy's cost for fallbacks.
@@ -90,6 +131,27 @@ class Decider:
             if rid in live and n > matched.get(rid, 0):
                 matched[rid] = n
         session_replica = look.session_replica if look.session_replica in live else None
+        return self._choose(route, ids, matched, session_replica, queue_len)
+
+    def degraded(self, route: RouteRequest, ids: list[str], queue_len: Callable[[str], int | None]) -> Routed:
+        """The index did not answer (lookup timed out, Redis away): decide from what this router
+        knows itself, labelled `stale`. Prefix matches come from the prompts it routed in the
+        last `inflight.keep_s`, the session's replica from its own memory of where it sent the
+        previous turn, load from its load table (unknown once that is older than its max age)
+        and its own in-flight counts. Routing blind would throw the cache away exactly when the
+        gateway is starved (docs/fleet.md, run C)."""
+        self.loads.watch(ids)
+        live = set(ids)
+        matched = {rid: n for rid, n in self.inflight.match(route.block_hashes, self.inflight.keep_s).items() if rid in live}
+        session_replica = self.sessions.get(route.session_id)
+        if session_replica not in live:
+            session_replica = None
+        routed = self._choose(route, ids, matched, session_replica, queue_len)
+        routed.decision = Decision(routed.decision.replica_id, "stale", routed.decision.matched_blocks)
+        return routed
+
+    def _choose(self, route: RouteRequest, ids: list[str], matched: dict[str, int], session_replica: str | None,
+                queue_len: Callable[[str], int | None]) -> Routed:
         scored = set(matched)
         if session_replica is not None:
             scored.add(session_replica)
@@ -106,18 +168,29 @@ class Decider:
         ranked += [v.replica_id for v in self.policy.rank(route, views) if v.replica_id != decision.replica_id]
         return Routed(route, decision, ranked, matched, fleet_size=len(ids))
 
+    def remember(self, routed: Routed, replica_id: str) -> None:
+        """The request went to `replica_id`: the local memory a later degraded decision uses."""
+        self.inflight.add(routed.route.block_hashes, replica_id)
+        if routed.route.session_id:
+            self.sessions.remember(routed.route.session_id, replica_id)
+
     def _view(self, rid: str, matched: int, local_queue: int, unknown: dict[str, int]) -> ReplicaView:
         hb = self.loads.get(rid)
-        if hb is None:  # no heartbeat: unknown load, never idle
+        running = (hb or unknown).get("running", 0)
+        if hb is None:
+            # no heartbeat: unknown load, never idle; plus what this router sent there itself,
+            # which is all that tells replicas apart when every heartbeat is unknown (Redis away)
             hb = unknown
-        # heartbeats lag by up to half a second; this router's own in-flight count covers
-        # requests it sent since
-        running = hb.get("running", 0)
+            waiting = hb.get("waiting", 0) + local_queue
+        else:
+            # heartbeats lag by up to half a second; this router's own in-flight count covers
+            # requests it sent since
+            waiting = max(hb.get("waiting", 0), local_queue - running)
         return ReplicaView(
             replica_id=rid,
             matched_blocks=matched,
             running=running,
-            waiting=max(hb.get("waiting", 0), local_queue - running),
+            waiting=waiting,
             pending_prefill_tokens=hb.get("pending_prefill_tokens", 0),
             free_blocks=hb.get("free_blocks", 0),
             cached_blocks=hb.get("cached_blocks", 0),

@@ -6,8 +6,9 @@ through Redis. Per request: chained block hashes of the prompt's token ids, one 
 inverted index (the replicas holding the prompt's leading blocks, sampled, and the session's
 last replica), load from a router-local table refreshed in the background, then the policy
 scores only the matched replicas, the session's and a few sampled ones: the decision's cost
-does not grow with the fleet. Redis slow or down: consistent hashing on the session over live
-replicas, never a blocked request.
+does not grow with the fleet. Redis slow or down: the same policy on what this router knows
+itself (prefixes and sessions it routed recently, its load table), labelled `stale`, never a
+blocked request. Without a Redis URL at all: consistent hashing on the session.
 
 Under saturation Ray calls choose_replicas again for the same request until a replica accepts
 it. The decision is cached per request, so the lookup runs once; side effects (in-flight
@@ -30,7 +31,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from router.decider import Decider, InflightPrefixes, Routed
+from router.decider import STALE_MEMORY_S, Decider, InflightPrefixes, Routed, SessionMemory
 from router.load_table import LoadTable
 from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
@@ -80,8 +81,12 @@ class PrefixGateRouter(RequestRouter):
         self.loads = LoadTable(self.index, load_refresh_s, seed=seed) if self.index is not None else None
         self._seeds: dict[str | None, int] = {}
         self._background: set[asyncio.Task] = set()
-        self.inflight = InflightPrefixes(INFLIGHT_TTL_S)
-        self.decider = Decider(self.policy, self.loads, self.inflight, sampled_replicas) if self.loads is not None else None
+        self.inflight = InflightPrefixes(INFLIGHT_TTL_S, keep_s=STALE_MEMORY_S)
+        self.decider = (
+            Decider(self.policy, self.loads, self.inflight, sampled_replicas, SessionMemory(session_ttl_s))
+            if self.loads is not None
+            else None
+        )
         self._decisions: OrderedDict[str, Routed] = OrderedDict()
         self.routed = 0  # requests Ray reported as routed (on_request_routed)
         self._calibrated_at = -1  # load-table refresh the policy's pull prices were last set from
@@ -180,7 +185,10 @@ class PrefixGateRouter(RequestRouter):
         self.routed += 1
         rid = replica_id.unique_id
         matched = routed.matched.get(rid, 0)
-        self.inflight.add(routed.route.block_hashes, rid)
+        if self.decider is not None:
+            self.decider.remember(routed, rid)  # in-flight prefixes and the session, router-local
+        else:
+            self.inflight.add(routed.route.block_hashes, rid)
         self.policy.commit(routed.route, rid, matched, routed.fleet_size)
         if self.index is not None:
             # other routers see it within a round trip: blocks nobody holds yet, now bound for rid
@@ -194,13 +202,13 @@ class PrefixGateRouter(RequestRouter):
     async def _decide(self, route: RouteRequest, by_id: dict[str, RunningReplica]) -> Routed:
         ids = list(by_id)
         if self.index is not None:
+            queue_len = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
             try:
                 look = await self.index.lookup(route.block_hashes, None, route.session_id)
             except IndexUnavailable:
                 router_metrics().index_failures.inc()
-            else:
-                queue_len = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
-                return self.decider.score(route, ids, look, queue_len.get)
+                return self.decider.degraded(route, ids, queue_len.get)
+            return self.decider.score(route, ids, look, queue_len.get)
         decision = self.fallback.decide(route, [ReplicaView(rid) for rid in ids])
         return Routed(route, Decision(decision.replica_id, "fallback", 0), [decision.replica_id], fleet_size=len(ids))
 

@@ -58,20 +58,47 @@ def test_saturated_replica_spreads_load(stack):
     assert len(replicas) == 2, results  # the prefix holder alone would queue all ten
 
 
-def test_redis_outage_falls_back_then_recovers(stack, redis_server):
+def _ring_choice(session: str, replica_ids: list[str]) -> str:
+    """Where consistent hashing on the session (the router's blind fallback) would send it."""
+    from router.policy import RouteRequest, make_policy, session_key
+
+    assert session_key(RouteRequest([], 0, 16, session)) is not None
+    return make_policy("session").ring(replica_ids).lookup(session_key(RouteRequest([], 0, 16, session)))
+
+
+def test_redis_outage_routes_stale_then_recovers(stack, redis_server):
+    """Redis stopped: the router decides from what it knows itself (`stale`): a conversation
+    started before the outage stays on its replica, even where consistent hashing (blind
+    routing) would move it, and a new one stays where its first turn went."""
+    import redis
+
     tag = uuid.uuid4().hex[:6]
     system = f"Case {tag}. " + LONG_SYSTEM  # a prompt no replica has seen before the outage
+    keys = RedisKeys(stack.config.key_prefix)
+    client = redis.Redis.from_url(stack.config.redis_url, decode_responses=True)
+    replica_ids = sorted(r for r in client.smembers(keys.replicas) if client.exists(keys.heartbeat(r)))  # live ones
+    assert len(replica_ids) == 2, replica_ids
 
-    def ask(question, session):
+    def ask(question, session, system=system):
         r = chat(stack, [{"role": "system", "content": system}, {"role": "user", "content": question}], session, max_tokens=8)
         assert r.status_code == 200, r.text
         return r
 
+    # a conversation whose home is not where its session id hashes (bounded: 1/2 chance a try)
+    for attempt in range(8):
+        before = f"before-{tag}-{attempt}"
+        home = ask("Where is my parcel?", before, system=f"Desk {tag}-{attempt}. " + LONG_SYSTEM).headers["x-prefixgate-replica"]
+        if _ring_choice(before, replica_ids) != home:
+            break
+    else:
+        raise AssertionError("every session's home was its consistent-hash replica")
     redis_server.stop()
     try:
+        r = ask("And when will it arrive?", before, system=f"Desk {tag}-{attempt}. " + LONG_SYSTEM)
+        assert (r.headers["x-prefixgate-route"], r.headers["x-prefixgate-replica"]) == ("stale", home)
         routes = [ask(f"Is shipping free for order {i}?", f"down-{tag}").headers for i in range(3)]
-        assert {h["x-prefixgate-route"] for h in routes} == {"fallback"}
-        # consistent hashing keeps the session on one replica even without the index
+        assert {h["x-prefixgate-route"] for h in routes} == {"stale"}
+        # the router's own memory keeps the new session on the replica its first turn went to
         holders = {h["x-prefixgate-replica"] for h in routes}
         assert len(holders) == 1
     finally:
@@ -79,15 +106,21 @@ def test_redis_outage_falls_back_then_recovers(stack, redis_server):
     # blocks computed during the outage were never published as events: only the replicas'
     # resync after the restart can make them routable. Wait for it without sending requests
     # (a probe routed elsewhere would compute the prompt there too).
-    import redis
-
-    client = redis.Redis.from_url(stack.config.redis_url)
     (holder,) = holders
     deadline = time.monotonic() + 30
-    while not client.exists(RedisKeys(stack.config.key_prefix).blocks(holder)):
+    while not client.exists(keys.blocks(holder)):
         assert time.monotonic() < deadline, "replica did not re-publish its blocks after the restart"
         time.sleep(0.2)
     time.sleep(0.5)  # the other replica's resync too
+    # the router skips Redis for a cool-down after its last failed attempt: wait until it uses
+    # the index again, probing with an unrelated short prompt (bounded)
+    deadline = time.monotonic() + 15
+    for n in range(100):
+        probe = chat(stack, [{"role": "user", "content": f"Probe {tag} {n}."}], f"probe-{tag}", max_tokens=1)
+        if probe.headers["x-prefixgate-route"] != "stale":
+            break
+        assert time.monotonic() < deadline, "the router never used the index again after Redis came back"
+        time.sleep(0.2)
     r = ask("Can I change my address?", f"up-{tag}")
     assert r.headers["x-prefixgate-route"] == "prefix"
     assert r.headers["x-prefixgate-replica"] == holder

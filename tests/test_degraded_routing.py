@@ -1,0 +1,118 @@
+"""Routing when the index does not answer (router.decider.Decider.degraded), as pure logic:
+the router still uses what it knows itself (prefixes and sessions it routed, its load table,
+its own in-flight counts) and labels the decision `stale`. The load table is filled by hand
+(no Redis); the real outage is in tests/test_router_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from router.decider import Decider, InflightPrefixes, Routed, SessionMemory
+from router.load_table import LoadTable
+from router.policy import Decision, RouteRequest, make_policy
+from router.redis_index import RedisConfig, RedisIndex
+
+BS = 16
+IDS = [f"r{i}" for i in range(8)]
+
+
+def _load(running: int = 0, waiting: int = 0, pending: int = 0) -> dict[str, int]:
+    return {"running": running, "waiting": waiting, "pending_prefill_tokens": pending,
+            "free_blocks": 100, "cached_blocks": 0, "capacity_blocks": 100}
+
+
+def _decider(loads: dict[str, dict[str, int]] | None = None, fresh: bool = True, policy: str = "affinity",
+             inflight: InflightPrefixes | None = None) -> Decider:
+    """`fresh=False`: the table was last refreshed long ago (Redis away), so every load is unknown."""
+    table = LoadTable(RedisIndex(RedisConfig("redis://127.0.0.1:1/0", timeout_s=0.01)), refresh_s=60.0, seed=0)
+    table._loads = loads if loads is not None else {rid: _load() for rid in IDS}
+    table.updated_at = time.monotonic() - (0 if fresh else 60)
+    return Decider(make_policy(policy, seed=0), table, inflight or InflightPrefixes(3.0, keep_s=30.0), sampled=4,
+                   sessions=SessionMemory())
+
+
+def _route(hashes: list[int], session: str | None = None) -> RouteRequest:
+    return RouteRequest(hashes, len(hashes) * BS + 5, BS, session)
+
+
+def _degraded(decider: Decider, route: RouteRequest, ids: list[str] = IDS, queue=None) -> Routed:
+    async def run():
+        try:
+            return decider.degraded(route, ids, queue or (lambda rid: 0))
+        finally:
+            await decider.loads.close()
+
+    return asyncio.run(run())
+
+
+def _sent(decider: Decider, route: RouteRequest, replica: str) -> None:
+    """What on_request_routed records for a request Ray sent to `replica`."""
+    decider.remember(Routed(route, Decision(replica, "load"), [replica]), replica)
+
+
+def test_session_keeps_its_replica_with_every_load_unknown():
+    decider = _decider(fresh=False)
+    _sent(decider, _route([1, 2, 3], "chat-1"), "r5")
+    for turn in range(3):  # later turns of the conversation, Redis still away
+        routed = _degraded(decider, _route([1, 2, 3, 4 + turn], "chat-1"))
+        assert routed.decision.replica_id == "r5"
+        assert routed.decision.reason == "stale"
+        assert routed.decision.matched_blocks == 3
+        _sent(decider, routed.route, "r5")
+
+
+def test_prefix_routed_before_the_outage_is_found_beyond_the_fresh_window():
+    """A system prompt this router sent 0.1 s ago with a 0.05 s fresh window: the index path
+    no longer counts it, the degraded path still does, for a new session."""
+    decider = _decider(fresh=False, inflight=InflightPrefixes(0.05, keep_s=30.0))
+    system = list(range(100, 110))
+    _sent(decider, _route(system + [7], "a"), "r3")
+    time.sleep(0.1)
+    assert decider.inflight.match(system) == {}
+    routed = _degraded(decider, _route(system + [8], "b"))
+    assert routed.decision.replica_id == "r3" and routed.matched == {"r3": 10}
+
+
+def test_prefix_and_session_memory_end():
+    decider = _decider(fresh=False, inflight=InflightPrefixes(0.01, keep_s=0.05))
+    decider.sessions = SessionMemory(ttl_s=0.05)
+    _sent(decider, _route([1, 2, 3], "chat-1"), "r5")
+    time.sleep(0.1)
+    routed = _degraded(decider, _route([1, 2, 3, 4], "chat-1"))
+    assert routed.matched == {} and decider.sessions.get("chat-1") is None
+
+
+def test_memory_stays_bounded():
+    sessions = SessionMemory(max_entries=3)
+    for i in range(10):
+        sessions.remember(f"s{i}", "r0")
+    assert [sessions.get(f"s{i}") for i in (0, 6, 7, 8, 9)] == [None, None, "r0", "r0", "r0"]
+
+
+def test_own_queue_counts_tell_unknown_replicas_apart():
+    """Every heartbeat unknown, nothing remembered: the replica this router sent the fewest
+    requests to wins, and the rest are ranked by the same counts (never all equal)."""
+    decider = _decider(fresh=False, policy="least-loaded")
+    queue = {rid: 5 for rid in IDS} | {"r6": 1}
+    routed = _degraded(decider, _route([9, 9, 9]), queue=queue.get)
+    assert routed.decision.replica_id == "r6" and routed.decision.reason == "stale"
+
+
+def test_fresh_load_table_still_balances():
+    """A lookup timed out but the load table is fresh: the prefix holder, far over its share,
+    loses to an idle replica, as it would with the index."""
+    loads = {rid: _load() for rid in IDS} | {"r2": _load(running=30, waiting=40, pending=20000)}
+    decider = _decider(loads)
+    system = list(range(200, 204))
+    _sent(decider, _route(system + [1], "a"), "r2")
+    routed = _degraded(decider, _route(system + [2], "b"))
+    assert routed.decision.replica_id != "r2"
+    assert "r2" in routed.ranked[1:]  # still a fallback, ranked by cost
+
+
+def test_dead_replicas_are_not_chosen():
+    decider = _decider(fresh=False)
+    _sent(decider, _route([1, 2, 3], "chat-1"), "gone")
+    routed = _degraded(decider, _route([1, 2, 3, 4], "chat-1"), ids=["r0", "r1"])
+    assert routed.decision.replica_id in ("r0", "r1") and set(routed.ranked) <= {"r0", "r1"}
