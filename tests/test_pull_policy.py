@@ -295,3 +295,43 @@ def test_scaled_transfer_moves_and_computes_a_block_as_at_512_tokens():
     assert sim["kv_bytes_per_token"] == pytest.approx(t.kv_bytes_per_token * 32)
     r = sim_result("affinity-pull", kept, s, spec.service)
     assert r.reasons.get("pull", 0) > 0  # the fleet's simulator side pulls, and counts them as hits
+
+
+def test_router_prices_pulls_with_the_fleets_measured_rates(redis_server):
+    """Heartbeats in a real Redis -> the router's load table -> the fleet's median rates -> the
+    policy's transfer model. A replica that has not measured (0) does not count."""
+    import asyncio
+    import uuid
+
+    import redis as redis_lib
+
+    from router.load_table import LoadTable
+    from router.protocol.redis_schema import RedisKeys
+    from router.redis_index import RedisConfig, RedisIndex
+
+    prefix = f"pull-{uuid.uuid4().hex[:6]}"
+    keys = RedisKeys(prefix)
+    r = redis_lib.Redis.from_url(redis_server.url)
+    beats = {"ra": (2e9, 900, 46_080), "rb": (4e9, 1100, 46_080), "rc": (0, 0, 46_080), "rd": (8e9, 1000, 46_080)}
+    for rid, (bps, tps, kv) in beats.items():
+        r.hset(keys.heartbeat(rid), mapping={"running": 0, "kv_pull_bytes_per_s": int(bps),
+                                             "prefill_tokens_per_s": tps, "kv_bytes_per_token": kv})
+
+    async def scenario() -> LoadTable:
+        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.5))
+        loads = LoadTable(index)
+        loads.watch(list(beats))
+        await loads.refresh()
+        await loads.close()
+        await index.close()
+        return loads
+
+    loads = asyncio.run(scenario())
+    assert loads.measured("kv_pull_bytes_per_s") == 4e9  # median of 2, 4, 8 (rc measured nothing)
+    assert loads.measured("prefill_tokens_per_s") == 1000
+    assert loads.measured("no_such_field") is None
+    p = AffinityPullPolicy(seed=0)
+    p.calibrate(loads.measured("kv_pull_bytes_per_s"), loads.measured("prefill_tokens_per_s"),
+                loads.measured("kv_bytes_per_token"))
+    assert (p.transfer.bytes_per_s, p.transfer.prefill_tokens_per_s, p.transfer.kv_bytes_per_token) == (4e9, 1000, 46_080)
+    r.close()
