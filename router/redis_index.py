@@ -7,7 +7,7 @@ parallel. The work inside Redis is bounded by blocks x sample size, never by the
 
 Redis being slow or down must never block a request: every call has a timeout of a few
 milliseconds, and after a failure the index is skipped for a short cool-down so that requests
-do not each pay the timeout (the router then falls back to consistent hashing).
+do not each pay the timeout (the router then decides from its own memory: router/decider.py).
 """
 
 from __future__ import annotations
@@ -141,8 +141,11 @@ class RedisIndex:
         except (TimeoutError, OSError, aioredis.RedisError) as e:
             self.failures += 1
             self._down_until = time.monotonic() + self.config.cooldown_s
-            if isinstance(e, (OSError, aioredis.ConnectionError)):
-                self._drop_client()  # reconnect (and re-detect the topology) next time
+            # a lost connection: reconnect (and re-detect the topology) next time. Not on a
+            # timeout (TimeoutError is an OSError too): Redis is slow, not gone, and the load
+            # table keeps refreshing through this client while lookups cool down
+            if isinstance(e, (OSError, aioredis.ConnectionError)) and not isinstance(e, TimeoutError):
+                self._drop_client()
             raise IndexUnavailable(f"redis unavailable: {e!r}") from e
 
     def _drop_client(self) -> None:

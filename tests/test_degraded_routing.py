@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from router.decider import Decider, InflightPrefixes, Routed, SessionMemory
 from router.load_table import LoadTable
 from router.policy import Decision, RouteRequest, make_policy
@@ -116,3 +118,47 @@ def test_dead_replicas_are_not_chosen():
     _sent(decider, _route([1, 2, 3], "chat-1"), "gone")
     routed = _degraded(decider, _route([1, 2, 3, 4], "chat-1"), ids=["r0", "r1"])
     assert routed.decision.replica_id in ("r0", "r1") and set(routed.ranked) <= {"r0", "r1"}
+
+
+def test_a_timed_out_lookup_keeps_the_load_table(redis_server):
+    """Real redis-server, paused with CLIENT PAUSE: the lookup misses its 50 ms and the index
+    cools down, but the client survives (Redis is slow, not gone), so the load table still
+    refreshes during the cool-down and the degraded decision sees real loads."""
+    import uuid
+
+    import redis
+
+    from router.protocol.redis_schema import HEARTBEAT_FIELDS, RedisKeys
+    from router.redis_index import IndexUnavailable
+
+    prefix = f"deg-{uuid.uuid4().hex[:6]}"
+    keys = RedisKeys(prefix)
+    sync = redis.Redis.from_url(redis_server.url)
+    busy = {"running": 30, "waiting": 40, "pending_prefill_tokens": 20000}
+    for rid in ("r0", "r1"):
+        load = busy if rid == "r0" else {}
+        sync.hset(keys.heartbeat(rid), mapping={f: load.get(f, 0) for f in HEARTBEAT_FIELDS})
+
+    async def scenario():
+        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.05, cooldown_s=30.0))
+        table = LoadTable(index, refresh_s=60.0, seed=0)
+        decider = Decider(make_policy("affinity", seed=0), table, InflightPrefixes(3.0, keep_s=30.0))
+        table._watched = ["r0", "r1"]  # what watch() sets, without its background refresh
+        try:
+            await index.lookup([1, 2, 3])  # connected, script loaded
+            sync.client_pause(500)  # every other client's commands wait 0.5 s from now
+            with pytest.raises(IndexUnavailable):
+                await index.lookup([1, 2, 3])
+            await asyncio.to_thread(sync.ping)  # answered once the pause is over
+            with pytest.raises(IndexUnavailable):
+                await index.lookup([1, 2, 3])  # still cooling down: skipped at once
+            await table.refresh()  # through the same client: not dropped on a timeout
+            assert table.get("r0")["running"] == 30
+            _sent(decider, _route([1, 2, 3], "a"), "r0")  # r0 holds the prefix, but is swamped
+            routed = decider.degraded(_route([1, 2, 3, 4], "b"), ["r0", "r1"], lambda rid: 0)
+            assert routed.decision.replica_id == "r1" and routed.decision.reason == "stale"
+        finally:
+            await table.close()
+            await index.close()
+
+    asyncio.run(scenario())
