@@ -230,6 +230,19 @@ class BlockManager:
         """Release blocks taken by `pin_prefix` (the tail of the run becomes the oldest)."""
         self.free(BlockTable(block_ids=list(block_ids)))
 
+    def demote(self, hashes: list[int]) -> int:
+        """Make these cached, unreferenced blocks the next to evict, the last hash first (as
+        `free` orders a prompt: its shared head stays longest), e.g. after another replica
+        pulled a copy: the copy there is the one its conversation will use. Blocks in use or
+        not held are left alone. Returns how many moved."""
+        moved = 0
+        for h in hashes:
+            block = self.hash_to_block.get(h)
+            if block is not None and self.ref_count[block] == 0:
+                self._lru.move_to_end(block, last=False)
+                moved += 1
+        return moved
+
     def begin_import(self, hashes: list[int], start: int = 0, max_blocks: int | None = None) -> list[tuple[int, int]]:
         """Blocks to receive K/V for `hashes[start:]` not held here yet: (index in `hashes`,
         block id) pairs, taken from the free list or the LRU. At most `max_blocks` (default: all

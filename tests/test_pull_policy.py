@@ -335,3 +335,36 @@ def test_router_prices_pulls_with_the_fleets_measured_rates(redis_server):
                 loads.measured("kv_bytes_per_token"))
     assert (p.transfer.bytes_per_s, p.transfer.prefill_tokens_per_s, p.transfer.kv_bytes_per_token) == (4e9, 1000, 46_080)
     r.close()
+
+
+def test_demote_makes_a_given_away_copy_the_next_to_evict():
+    """After another replica pulled a copy, the holder's copy goes first (its tail before its
+    head, as `free` orders a prompt); blocks in use are not moved."""
+    from replica.block_manager import BlockManager, BlockTable
+
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    old = BlockTable(hashes=[1, 2])
+    given = BlockTable(hashes=[11, 12, 13])
+    for t in (old, given):
+        bm.allocate(t, len(t.hashes) * BS)
+        bm.commit(t, [], len(t.hashes) * BS, seed=0)
+    bm.free(old)
+    bm.free(given)  # LRU, oldest first: 2, 1, 13, 12, 11 (and one free block)
+    busy = BlockTable(hashes=[1])
+    bm.allocate(busy, BS + 1)  # takes block 1 (in use) plus the free block
+    assert bm.demote([11, 12, 13, 1, 99]) == 3  # 1 is in use, 99 not held
+    nxt = BlockTable(hashes=[21, 22, 23])
+    bm.allocate(nxt, 3 * BS)  # needs 3 blocks: evicts 13, 12, 11 and keeps 2
+    assert set(bm.hash_to_block) == {1, 2}
+
+
+def test_sim_holder_modes_change_only_the_holders_lru():
+    a = list(range(1, 9))
+    reqs = [SimRequest(0.0, a + [100], 9 * BS, 4)]
+    reqs += [SimRequest(1.0 + i * 0.01, a + [200 + i], 9 * BS, 4) for i in range(20)]
+    results = {m: run_policy(reqs, make_policy("affinity-pull", seed=0),
+                             SimConfig(replicas=2, capacity_blocks=256, block_size=BS, pull_holder=m))
+               for m in ("keep", "touch", "demote")}
+    assert all(r.pulled_blocks >= 8 for r in results.values())
+    with pytest.raises(ValueError, match="pull_holder"):
+        run_policy(reqs, make_policy("affinity-pull", seed=0), SimConfig(replicas=2, capacity_blocks=256, pull_holder="x"))

@@ -17,6 +17,7 @@ from router.policy import POLICIES, AffinityPolicy, make_policy
 from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import PolicyResult
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
+from router.sim.replica import HOLDER_MODES
 from router.sim.service import ServiceModel
 from router.sim.workload import SESSION_MODES, WORKLOADS, SimRequest, distinct_blocks, load_mooncake
 from router.transfer_model import TransferModel
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "kv_bytes_per_token=1.3e6, fixed_s=0.005 (repeatable)")
     p.add_argument("--service", action="append", default=[], metavar="KEY=VALUE",
                    help="ServiceModel override, e.g. prefill_s_per_token=1e-4 (repeatable)")
+    p.add_argument("--pull-holder", choices=HOLDER_MODES, default="keep",
+                   help="what a pull does to the holder's copy in its LRU: keep its place (default), "
+                        "touch (most recent, as the real engine's export today), demote (next to evict)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p
 
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             cap = capacity_blocks(spec, distinct)
             pooled = pooled_lru_hits(requests, cap * n) / total
             config = SimConfig(replicas=n, capacity_blocks=cap, service=service,
-                               time_scale=scale, window_s=args.window, transfer=transfer)
+                               time_scale=scale, window_s=args.window, transfer=transfer,
+                               pull_holder=args.pull_holder)
             rows = []
             t0 = time.perf_counter()
             for name in args.policies:
@@ -178,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         payload = {
             "workload": args.workload, "requests": len(requests), "prompt_blocks": total,
             "distinct_blocks": distinct, "service": dataclasses.asdict(service),
-            "policy_options": policy_opts, "transfer": dataclasses.asdict(transfer), "settings": settings,
+            "policy_options": policy_opts, "transfer": dataclasses.asdict(transfer),
+            "pull_holder": args.pull_holder, "settings": settings,
         }
         args.json.write_text(json.dumps(payload, indent=2))
     return 0

@@ -34,12 +34,14 @@ class SimConfig:
     time_scale: float = 1.0  # arrivals happen this many times faster than in the trace
     window_s: float = 60.0  # imbalance window, in simulated (scaled) seconds
     transfer: TransferModel = field(default_factory=TransferModel)  # K/V pulls between replicas
+    pull_holder: str = "keep"  # what a pull does to the holder's LRU: keep | touch | demote (SimReplica)
 
 
 def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) -> PolicyResult:
     index = InMemoryIndex()
     reps = [
-        SimReplica(f"r{i}", config.capacity_blocks, config.block_size, config.service, index, config.transfer)
+        SimReplica(f"r{i}", config.capacity_blocks, config.block_size, config.service, index, config.transfer,
+                   config.pull_holder)
         for i in range(config.replicas)
     ]
     by_id = {r.replica_id: r for r in reps}

@@ -19,6 +19,8 @@ from router.sim.service import ServiceModel
 from router.sim.workload import SimRequest
 from router.transfer_model import TransferModel
 
+HOLDER_MODES = ("keep", "touch", "demote")
+
 
 class IndexFeed:
     """KVEventListener that forwards one replica's cache events to the index."""
@@ -56,12 +58,15 @@ class Job:
 class SimReplica:
     def __init__(
         self, replica_id: str, capacity_blocks: int, block_size: int, service: ServiceModel, index: InMemoryIndex,
-        transfer: TransferModel | None = None,
+        transfer: TransferModel | None = None, pull_holder: str = "keep",
     ) -> None:
+        if pull_holder not in HOLDER_MODES:
+            raise ValueError(f"pull_holder must be one of {HOLDER_MODES}, got {pull_holder!r}")
         self.replica_id = replica_id
         self.block_size = block_size
         self.service = service
         self.transfer = transfer or TransferModel()
+        self.pull_holder = pull_holder  # what a pull does to the holder's LRU (HOLDER_MODES)
         self.bm = BlockManager(num_blocks=capacity_blocks, block_size=block_size)
         self.bm.listeners.append(IndexFeed(replica_id, index))
         self.queue: deque[Job] = deque()
@@ -143,7 +148,18 @@ class SimReplica:
                 break
             n += 1
         job.pulled_blocks = n
+        if n and self.pull_holder != "keep":
+            src.after_export(job.req.hashes[job.hit_blocks : job.hit_blocks + n], self.pull_holder)
         return min(n * self.block_size, max(job.req.input_tokens - 1 - job.hit_blocks * self.block_size, 0))
+
+    def after_export(self, hashes: list[int], mode: str) -> None:
+        """What reading blocks for another replica does to this holder's LRU: "touch" releases
+        them as most recently used (a pin and unpin, what the real engine's export does today),
+        "demote" as least recently used (another copy now exists: this one goes first)."""
+        if mode == "touch":
+            self.bm.unpin(self.bm.pin_prefix(hashes))
+        elif mode == "demote":
+            self.bm.demote(hashes)
 
     def prefill_done(self, now: float) -> tuple[Job, float]:
         """Publish the prompt's blocks and move the job to decode; returns (job, finish time)."""
