@@ -339,10 +339,12 @@ class AffinityPullPolicy(AffinityPolicy):
     among the scored replicas (the source), offered only where moving them is faster than
     computing them (`TransferModel.pays`); transfer() is the `TransferModel`'s pull time in
     prefill-token equivalents (fixed cost + bytes / measured rate, times the measured prefill
-    rate). The queue terms are affinity's, so the replica minimising cost minimises expected
-    time to first token with the option it would use: a hot replica's conversation moves to an
-    idle one once the idle one's pull is cheaper than the hot one's queue, and a hit is kept
-    local otherwise. `copy_weight` charges a pulled token for the duplicate it leaves (a copy
+    rate). The queue terms are affinity's, so each replica is priced with the option it would
+    use, in affinity's unit (prefill-token equivalents: time to first token, misses priced
+    higher): a hot replica's conversation moves to an idle one once the idle one's pull is
+    cheaper than the hot one's queue, and a hit is kept local otherwise. The source may be a
+    replica the router only just sent the prefix to (its in-flight memory); a pull that finds
+    nothing there recomputes (replica/kv_pull.py). `copy_weight` charges a pulled token for the duplicate it leaves (a copy
     evicts someone else's blocks, as a recomputed one does; miss_weight's reason, without its
     prefill time), which keeps conversations home while queues are short: without it the
     balance tie-break scatters them and the copies shrink the fleet's effective cache.
@@ -368,6 +370,7 @@ class AffinityPullPolicy(AffinityPolicy):
         self.transfer = transfer or TransferModel()
         self.copy_weight = copy_weight
         self._pulls: dict[str, int] = {}  # replica -> pull depth of the last _costs call
+        self._source_id: str | None = None  # the pull source of the last _costs call
 
     def calibrate(
         self,
