@@ -138,13 +138,15 @@ class RedisIndex:
             raise IndexUnavailable("redis cooling down after a failure")
         try:
             return await asyncio.wait_for(coro, timeout_s or self.config.timeout_s)
-        except (TimeoutError, OSError, aioredis.RedisError) as e:
+        except (TimeoutError, OSError, RuntimeError, aioredis.RedisError) as e:
+            # RuntimeError: uvloop's "unable to perform operation on <TCPTransport closed=True>"
+            # when the connection died under a call; it must not escape into Ray's routing loop
             self.failures += 1
             self._down_until = time.monotonic() + self.config.cooldown_s
             # a lost connection: reconnect (and re-detect the topology) next time. Not on a
             # timeout (TimeoutError is an OSError too): Redis is slow, not gone, and the load
             # table keeps refreshing through this client while lookups cool down
-            if isinstance(e, (OSError, aioredis.ConnectionError)) and not isinstance(e, TimeoutError):
+            if isinstance(e, (OSError, RuntimeError, aioredis.ConnectionError)) and not isinstance(e, TimeoutError):
                 self._drop_client()
             raise IndexUnavailable(f"redis unavailable: {e!r}") from e
 

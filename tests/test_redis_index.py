@@ -301,3 +301,25 @@ def test_cleared_during_a_resync_is_not_lost(redis_url, prefix):
             await a.publisher.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_connection_dying_under_a_call_is_an_index_failure_not_a_crash(redis_url, prefix):
+    """uvloop reports a call on a closed transport as RuntimeError: it must become
+    IndexUnavailable (the router degrades) and drop the client, never escape into Ray's loop."""
+
+    async def main():
+        index = RedisIndex(RedisConfig(redis_url, prefix, timeout_s=0.5, cooldown_s=0.0))
+        client = await index._open_guarded()
+
+        async def closed_transport():
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+        with pytest.raises(IndexUnavailable):
+            await index._guard(closed_transport())
+        assert index.failures == 1
+        assert index._client is None  # reconnects on the next call
+        await index.lookup(block_hashes(list(range(64)), BS, 0))  # and it does
+        assert index._client is not None and index._client is not client
+        await index.close()
+
+    asyncio.run(main())
