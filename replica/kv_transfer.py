@@ -14,6 +14,7 @@ No Ray here: the transport lives in replica/kv_pull.py.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,9 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    with warnings.catch_warnings():  # read-only (zero-copy out of Ray's object store): only read here
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.ascontiguousarray(a))
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
@@ -89,10 +92,12 @@ def write_blocks(pool: KVPool, block_ids: list[int], kv: KvBlocks, rows: list[in
     """Copy rows `rows` of the received blocks into pool blocks `block_ids` (engine thread)."""
     if not block_ids:
         return
+    every = rows == list(range(kv.num_blocks))  # the usual case: no row selection, one copy less
     src = torch.tensor(rows, dtype=torch.long)
     ids = torch.tensor(block_ids, dtype=torch.long, device=pool.k.device)
     for dst, a in ((pool.k, kv.k), (pool.v, kv.v)):
-        chunk = _to_torch(a, dst.dtype).index_select(2, src).to(dst.device)
+        chunk = _to_torch(a, dst.dtype)
+        chunk = (chunk if every else chunk.index_select(2, src)).to(dst.device)
         _blocks_view(dst, block_size).index_copy_(2, ids, chunk)
 
 

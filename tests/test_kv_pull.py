@@ -98,6 +98,22 @@ def test_pull_of_the_blocks_past_what_the_puller_holds(tiny_model_dirs):
     assert pulled.token_ids == recomputed.token_ids
 
 
+def test_bf16_pool_and_read_only_payload(tiny_model_dirs):
+    """bf16 travels as its bits (numpy has no bf16); a read-only payload (zero-copy out of Ray's
+    object store) imports as well."""
+    from replica.engine import LLMEngine
+
+    holder, puller = (LLMEngine(tiny_model_dirs["mistral"], block_size=BS, num_blocks=64, dtype="bfloat16") for _ in range(2))
+    prompt = _prompt(33, seed=7)
+    recomputed = _run(holder, prompt)
+    kv = kv_transfer.export_prefix(holder, block_hashes(prompt, BS, holder.hash_seed(None)), prompt)
+    assert kv.dtype == "bfloat16" and kv.k.dtype == np.int16
+    kv.k.flags.writeable = False
+    kv.v.flags.writeable = False
+    pulled = _run(puller, prompt, kv)
+    assert pulled.num_cached_tokens == 32 and pulled.token_ids == recomputed.token_ids
+
+
 def test_corrupted_payload_changes_output(tiny_model_dirs):
     """Control: the parity above could fail. Same hashes, K/V scaled: another greedy output."""
     holder, puller = _engine(tiny_model_dirs["llama"]), _engine(tiny_model_dirs["llama"])
