@@ -64,7 +64,7 @@ def continuation(req: GenerateRequest, sent_ids: list[int], sent_text_len: int) 
     if sent_ids and params.get("seed") is not None:
         params["seed"] = derive_seed(int(params["seed"]), len(sent_ids))
     return dataclasses.replace(
-        req, params=params, request_id=uuid.uuid4().hex, route=None,
+        req, params=params, request_id=uuid.uuid4().hex, route=None, kv_source=None,
         prefix_output_token_ids=list(sent_ids), prefix_text_len=sent_text_len,
     )
 

@@ -136,6 +136,7 @@ class PrefixGateRouter(RequestRouter):
             "replica": decision.replica_id,
             "matched_blocks": decision.matched_blocks,
         }
+        req.kv_source = None  # the hint is this decision's: never one left from an earlier route
         if decision.pull_from is not None:
             # the pull hint travels in the request itself: whichever replica takes it (this
             # decision's or a fallback) copies these leading blocks from the holder
@@ -202,13 +203,17 @@ class PrefixGateRouter(RequestRouter):
     async def _decide(self, route: RouteRequest, by_id: dict[str, RunningReplica]) -> Routed:
         ids = list(by_id)
         if self.index is not None:
-            queue_len = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
+            def queue_len(rid: str) -> int:
+                # asked only for the replicas scored: a lookup in Ray's cache per candidate (a
+                # ReplicaID hash and a clock read each) would cost O(fleet) per decision
+                return self.replica_queue_len_cache.get(by_id[rid].replica_id) or 0
+
             try:
                 look = await self.index.lookup(route.block_hashes, None, route.session_id)
             except IndexUnavailable:
                 router_metrics().index_failures.inc()
-                return self.decider.degraded(route, ids, queue_len.get)
-            return self.decider.score(route, ids, look, queue_len.get)
+                return self.decider.degraded(route, ids, queue_len)
+            return self.decider.score(route, ids, look, queue_len)
         decision = self.fallback.decide(route, [ReplicaView(rid) for rid in ids])
         return Routed(route, Decision(decision.replica_id, "fallback", 0), [decision.replica_id], fleet_size=len(ids))
 

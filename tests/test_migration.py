@@ -167,3 +167,15 @@ def test_wrapper_bounds_attempts_and_passes_bad_requests_through():
     call, calls = _script([START, bad])
     chunks = _collect(call, GenerateRequest([1], {"max_tokens": 9}))
     assert len(calls) == 1 and chunks[-1] == bad
+
+
+def test_a_continuation_drops_the_first_routes_pull_hint():
+    """The hint may name the replica that just died: a continuation is routed afresh."""
+    from gateway.migration import continuation
+    from router.protocol.messages import KvSource
+
+    req = GenerateRequest([1, 2, 3], {"max_tokens": 4}, kv_source=KvSource("dead-replica", 2),
+                          route={"reason": "pull", "replica": "r1", "matched_blocks": 0})
+    cont = continuation(req, [7, 8], 2)
+    assert cont.kv_source is None and cont.route is None
+    assert cont.prefix_output_token_ids == [7, 8] and cont.prompt_token_ids == [1, 2, 3]
