@@ -60,9 +60,9 @@ class SimEngineConfig:
     time_scale: float = 1.0  # run the service model this many times faster in wall time
     service: dict[str, float] = field(default_factory=dict)  # ServiceModel field overrides
     # K/V pulls (the router's kv_source hint): modelled like the simulator's, GPU-like defaults
-    kv_bytes_per_token: float = 320_000
-    pull_bytes_per_s: float = 25e9
-    pull_fixed_s: float = 0.002
+    kv_bytes_per_token: float = TransferModel.kv_bytes_per_token
+    pull_bytes_per_s: float = TransferModel.bytes_per_s
+    pull_fixed_s: float = TransferModel.fixed_s
 
     @classmethod
     def for_model_dir(cls, path: str | Path, **kwargs) -> SimEngineConfig:
@@ -188,7 +188,10 @@ class SimEngine:
         self._generated = 0
         self._due: float | None = None  # modelled end of the last step, while work remains
         self.transfer = config.transfer_model()
-        self._pull_s: dict[str, float] = {}  # request id -> modelled pull time, charged when admitted
+        # hinted requests still "pulling": (wall time due, seq, blocks), in arrival order. As on
+        # a real replica (replica/kv_pull.py) the pull happens before the engine sees the
+        # request, so it delays that request alone, never the running batch's steps
+        self._pulling: list[tuple[float, Sequence, int]] = []
         self.pulls = 0  # hints that copied at least one block
         self.pulled_blocks = 0
         self.pull_times: list[float] = []  # modelled seconds per pull (bounded below)
@@ -242,29 +245,30 @@ class SimEngine:
         seq.arrival_time = time.monotonic()
         self._digest[seq.request_id] = xxhash.xxh64_intdigest(array("I", token_ids).tobytes(), seed=params.seed or 0)
         self.requests[seq.request_id] = seq
-        if kv_pull_blocks > 0:
-            self._pull(seq, len(token_ids), kv_pull_blocks)
-        self.scheduler.add(seq)
-        return seq.request_id
-
-    def _pull(self, seq: Sequence, num_prompt_tokens: int, blocks: int) -> None:
-        """A modelled pull of the prompt's leading `blocks` blocks: the ones not held here are
-        inserted into the BlockManager as if computed (begin/finish_import, events to the index
-        included), so the scheduler finds them as hits; their transfer time is charged to the
-        step that admits the request, as the simulator charges it to the prefill slot. The
-        holder is assumed to still hold them (this process cannot see its cache)."""
         bs = self.config.block_size
-        n = min(blocks, len(seq.table.hashes), max(num_prompt_tokens - 1, 0) // bs)
-        hashes = seq.table.hashes[:n]
-        pairs = self.blocks.begin_import(hashes)
-        got = self.blocks.finish_import(pairs, hashes, seq.token_ids)
-        if got:
-            pull_s = self.transfer.pull_s(got * bs)
-            self._pull_s[seq.request_id] = pull_s
+        pull = min(kv_pull_blocks, len(seq.table.hashes), max(len(token_ids) - 1, 0) // bs)
+        missing = sum(h not in self.blocks.hash_to_block for h in seq.table.hashes[:pull])
+        if missing:
+            pull_s = self.transfer.pull_s(missing * bs)
+            self._pulling.append((time.monotonic() + pull_s / self.config.time_scale, seq, pull))
             self.pulls += 1
-            self.pulled_blocks += got
             if len(self.pull_times) < 100_000:
                 self.pull_times.append(pull_s)
+        else:
+            self.scheduler.add(seq)
+        return seq.request_id
+
+    def _land_pulls(self) -> None:
+        """Hinted requests whose modelled transfer has ended: their blocks not held here go into
+        the BlockManager as if computed (begin/finish_import, events to the index included), so
+        the scheduler finds them as hits. The holder is assumed to still hold them (this process
+        cannot see its cache)."""
+        now = time.monotonic()
+        while self._pulling and self._pulling[0][0] <= now:
+            _, seq, n = self._pulling.pop(0)
+            hashes = seq.table.hashes[:n]
+            self.pulled_blocks += self.blocks.finish_import(self.blocks.begin_import(hashes), hashes, seq.token_ids)
+            self.scheduler.add(seq)
 
     def pull_rates(self) -> dict[str, int]:
         """Heartbeat fields the router prices pulls with: this engine's modelled rates."""
@@ -279,14 +283,18 @@ class SimEngine:
             return False
         self._digest.pop(request_id, None)
         self._scheduled_at.pop(request_id, None)
-        self._pull_s.pop(request_id, None)
+        pulling = [p for p in self._pulling if p[1] is seq]
+        if pulling:  # never reached the scheduler
+            self._pulling.remove(pulling[0])
+            seq.finish_reason = "abort"
+            return True
         self.scheduler.finish(seq, "abort")
         return True
 
     # ---- stepping -----------------------------------------------------------------------
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._pulling)
 
     def modelled_step_s(self, chunks: list[ScheduledChunk], admitted: set[int]) -> float:
         """Unscaled service time of one step: its decode batch and prefill tokens."""
@@ -305,16 +313,18 @@ class SimEngine:
         # when the previous step left work, this one was due at that step's modelled end: a
         # late wake-up counts as lag, and a short late run is made up by sleeping less now
         start = self._due if self._due is not None and self._due <= now else now
+        self._land_pulls()
         before = {id(s) for s in self.scheduler.running}
         chunks = self.scheduler.schedule()
         if not chunks:
             self._due = None
+            if self._pulling:  # idle until the next transfer lands: sleep, never spin
+                time.sleep(min(max(self._pulling[0][0] - time.monotonic(), 0.0), 0.01))
             return []
         admitted = {id(c.seq) for c in chunks} - before
         for c in chunks:
             self._scheduled_at.setdefault(c.seq.request_id, now)
         modelled = self.modelled_step_s(chunks, admitted)
-        modelled += sum(self._pull_s.pop(c.seq.request_id, 0.0) for c in chunks if id(c.seq) in admitted)
         wall = modelled / self.config.time_scale
         deadline = start + wall
         remaining = deadline - time.monotonic()
@@ -382,7 +392,7 @@ class SimEngine:
         b = self.blocks
         return EngineStats(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + len(self._pulling),  # a pulling request is queued work
             prompt_tokens=b.stats.queried_tokens,
             cached_tokens=b.stats.hit_tokens,
             blocks_total=b.num_blocks,
@@ -393,7 +403,7 @@ class SimEngine:
             preemptions=self.scheduler.num_preemptions,
             pending_prefill_tokens=sum(
                 s.num_tokens - s.num_computed for s in (*self.scheduler.waiting, *self.scheduler.running)
-            ),
+            ) + sum(seq.num_tokens for _, seq, _ in self._pulling),
             steps=self._steps,
             generated_tokens=self._generated,
         )

@@ -206,8 +206,10 @@ def test_sim_cli_takes_transfer_overrides(tmp_path, capsys):
 
 def test_sim_engine_models_a_pull_as_cached_blocks_plus_transfer_time():
     """The router's hint on a sim replica: the hinted blocks enter its BlockManager as if
-    computed (announced to listeners), the request reports them as cached tokens, and the step
-    that admits it costs the modelled transfer instead of their prefill."""
+    computed (announced to listeners) when the modelled transfer ends, the request reports them
+    as cached tokens, and its steps cost only the prefill left: as on a real replica, the pull
+    happens before the engine sees the request, so it delays that request alone, never the
+    running batch's steps."""
     from replica.sampling_params import SamplingParams
     from replica.sim_engine import SimEngine, SimEngineConfig
 
@@ -248,14 +250,20 @@ def test_sim_engine_models_a_pull_as_cached_blocks_plus_transfer_time():
     assert sorted(events.hashes) == sorted(expected)  # then the computed ones
     cold, cold_out, modelled_cold, _ = run(0)
     assert cold_out.num_cached_tokens == 0 and cold.pulls == 0
-    # 8 blocks pulled instead of computed: the difference is their prefill minus the transfer
-    service, transfer = cold.service, cold.transfer
-    saved = 8 * bs * service.prefill_s_per_token - transfer.pull_s(8 * bs)
-    assert modelled_cold - modelled_pull == pytest.approx(saved, rel=1e-6)
-    # the hint never pulls the prompt's last token, however many blocks it names
-    e = SimEngine(SimEngineConfig(block_size=bs, num_blocks=64, time_scale=1000.0))
-    e.add_request(list(range(2000, 2000 + 4 * bs)), SamplingParams(max_tokens=1), kv_pull_blocks=99)
-    assert e.pulled_blocks == 3
+    # 8 blocks pulled instead of computed: the steps skip their prefill, the transfer is not in any step
+    service = cold.service
+    assert modelled_cold - modelled_pull == pytest.approx(8 * bs * service.prefill_s_per_token, rel=1e-6)
+    # while its transfer runs the request is queued work the router can see, not yet scheduled;
+    # another request keeps stepping meanwhile. The hint never pulls the prompt's last token.
+    e = SimEngine(SimEngineConfig(block_size=bs, num_blocks=64, time_scale=1e-3))  # a pull of seconds
+    e.add_request(list(range(3000, 3000 + 2 * bs)), SamplingParams(max_tokens=1), request_id="other")
+    e.add_request(list(range(2000, 2000 + 4 * bs)), SamplingParams(max_tokens=1), kv_pull_blocks=99, request_id="p")
+    assert e.stats().waiting == 2 and e.stats().pending_prefill_tokens == 6 * bs
+    assert e.pulls == 1 and e.pulled_blocks == 0 and e.pull_times == [e.transfer.pull_s(3 * bs)]
+    e.config.time_scale = 1e3  # the other request's prefill, then the pull, at full speed
+    done = [o.request_id for o in e.step() if o.finished]
+    assert done == ["other"] and e.pulled_blocks == 0  # it ran while "p" was still pulling
+    assert e.abort("p") and not e.has_unfinished  # a request aborted mid-pull never reaches the scheduler
     assert e.pull_rates() == {"kv_pull_bytes_per_s": 25_000_000_000, "prefill_tokens_per_s": 7142}
 
 
