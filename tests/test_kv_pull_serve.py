@@ -135,6 +135,28 @@ def test_pull_between_replicas_matches_recompute_and_reaches_the_index(stack, ca
     assert _stats(caller, b)["skipped"] == after["skipped"] + 1
 
 
+def test_pull_metrics_reach_the_ray_scrape(stack, caller):
+    """prefixgate_kv_pull_* through Ray's metrics: pulls by outcome, bytes and latency per pull."""
+    from tests.test_metrics import scrape, total
+
+    ok = sum(_stats(caller, rid)["ok"] for rid in _pair(stack))
+    assert ok >= 1, "the test above pulled"
+
+    def exported():
+        s = scrape(stack.metrics_port)
+        if total(s, "ray_prefixgate_kv_pulls_total", outcome="ok") < ok:
+            return None
+        return s
+
+    s = _wait(exported, "the pull metrics in the scrape (Ray exports about every 10 s)", 90)
+    assert total(s, "ray_prefixgate_kv_pull_latency_seconds_count") >= ok
+    assert total(s, "ray_prefixgate_kv_pull_bytes_sum") >= ok * 20 * 30 * 2 * 3 * 64 * 4 * BLOCK
+    assert total(s, "ray_prefixgate_kv_pull_blocks_total") >= ok * 20
+    assert total(s, "ray_prefixgate_kv_export_bytes_total") >= ok * 20 * 30 * 2 * 3 * 64 * 4 * BLOCK
+    assert "ray_prefixgate_kv_pulls_total" in s and any(
+        labels.get("outcome") == "timeout" for labels, _ in s["ray_prefixgate_kv_pulls_total"])  # exported at 0
+
+
 def test_pull_that_cannot_succeed_recomputes(stack, caller):
     a, b = _pair(stack)
     before = _stats(caller, b)
