@@ -3,7 +3,7 @@
 A pull of `t` tokens' K/V takes `fixed_s + t * kv_bytes_per_token / bytes_per_s`; recomputing
 them takes `t / prefill_tokens_per_s`. Pulling pays while the per-token transfer time is below
 the per-token prefill time, i.e. while `bytes_per_s > kv_bytes_per_token * prefill_tokens_per_s`
-(2.24 GB/s for the defaults below), and for prefixes long enough to amortise `fixed_s`.
+(2.29 GB/s for the defaults below), and for prefixes long enough to amortise `fixed_s`.
 
 Defaults are GPU-like, not this CPU's: a 70B-class model with grouped-query attention
 (80 layers x 2 x 8 KV heads x 128 x 2 bytes = 320 KB per token), 25 GB/s between replicas
@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 
 KV_BYTES_70B = 320_000  # K/V bytes per token of a 70B-class GQA model in bf16
 GPU_LINK_BYTES_S = 25e9  # between two GPU replicas
-GPU_PREFILL_TOKENS_S = 7_000.0  # ServiceModel's 1.4e-4 s per prompt token
+GPU_PREFILL_S_PER_TOKEN = 1.4e-4  # prefill of a 70B-class model on one GPU replica (the simulator's ServiceModel)
+GPU_PREFILL_TOKENS_S = 1.0 / GPU_PREFILL_S_PER_TOKEN  # ~7.1k tokens/s
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,14 @@ class TransferModel:
         prefill_tokens_per_s: float | None = None,
         kv_bytes_per_token: float | None = None,
     ) -> TransferModel:
-        """The same model with measured figures substituted (None or <= 0: keep the current)."""
-        changes = {}
+        """The same model with measured figures substituted (None or <= 0: keep the current).
+
+        A measured `bytes_per_s` is end to end (a pull's bytes over its whole time, the call to
+        the holder included), so it already carries the fixed cost: `fixed_s` drops to 0 rather
+        than being charged twice."""
+        changes: dict[str, float] = {}
+        if bytes_per_s is not None and bytes_per_s > 0:
+            changes["fixed_s"] = 0.0
         for name, value in (
             ("bytes_per_s", bytes_per_s),
             ("prefill_tokens_per_s", prefill_tokens_per_s),

@@ -43,6 +43,8 @@ def test_transfer_model_refuses_nonsense_and_calibration_keeps_unmeasured_figure
     t = TransferModel()
     c = t.calibrated(bytes_per_s=5e9, prefill_tokens_per_s=None, kv_bytes_per_token=0)
     assert c.bytes_per_s == 5e9
+    assert c.fixed_s == 0.0  # a measured rate is end to end: it already carries the fixed cost
+    assert t.calibrated(prefill_tokens_per_s=1000).fixed_s == t.fixed_s
     assert c.prefill_tokens_per_s == t.prefill_tokens_per_s and c.kv_bytes_per_token == t.kv_bytes_per_token
     assert t.calibrated() is t
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from router.transfer_model import GPU_PREFILL_S_PER_TOKEN
+
 
 @dataclass(frozen=True)
 class ServiceModel:
-    prefill_s_per_token: float = 1.4e-4
+    prefill_s_per_token: float = GPU_PREFILL_S_PER_TOKEN
     prefill_overhead_s: float = 0.02
     decode_step_s: float = 0.025
     decode_s_per_seq: float = 0.0005
