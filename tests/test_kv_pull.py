@@ -235,3 +235,71 @@ def test_aborted_import_registers_nothing():
     pairs = bm.begin_import([5, 6])
     bm.abort_import(pairs)
     assert bm.num_free == 4 and bm.num_cached == 0 and not bm.hash_to_block
+
+
+# ---- the replica's export: pinned on the engine thread, read off it, released as next to evict --
+def test_export_through_the_engine_loop_demotes_the_holders_copy(tiny_model_dirs):
+    import asyncio
+
+    from replica.async_engine import AsyncLLMEngine
+    from replica.kv_pull import KvPuller
+
+    engine = _engine(tiny_model_dirs["llama"])
+    prompt, other = _prompt(42, seed=8), _prompt(42, seed=9)
+    _run(engine, prompt)
+    _run(engine, other)  # newer in the LRU than the prompt's blocks
+    hashes = block_hashes(prompt, BS, engine.hash_seed(None))
+    looped = AsyncLLMEngine(engine)
+    try:
+        puller = KvPuller(looped, "holder")
+        kv = asyncio.run(puller.export(hashes, prompt, 2))
+        missing = asyncio.run(puller.export(block_hashes(_prompt(20, seed=10), BS, engine.hash_seed(None)), None, 0))
+    finally:
+        looped.shutdown()
+    assert kv.first == 2 and kv.hashes == hashes[2:] and missing is None
+    assert engine.blocks.num_used == 0  # every pin released
+    # the exported blocks are now the next to evict (last block first), ahead of the older-used prompt's head
+    lru = list(engine.blocks._lru)
+    exported = [engine.blocks.hash_to_block[h] for h in hashes[2:]]
+    assert lru[: len(exported)] == exported[::-1]
+    assert puller.snapshot().exports == 1 and puller.stats.exported_bytes == kv.nbytes
+
+
+def test_slow_or_failing_holder_means_recompute(tiny_model_dirs):
+    """The puller's fallbacks (a holder that answers too late, or with an error): no payload,
+    counted by outcome; hints for itself or for blocks it holds need no round trip."""
+    import asyncio
+
+    from replica.async_engine import AsyncLLMEngine
+    from replica.kv_pull import KvPullConfig, KvPuller
+    from router.protocol.messages import KvSource
+
+    class Holder:  # stands in for the transport: what the holder's side answers
+        def __init__(self, delay_s: float = 0.0, error: Exception | None = None) -> None:
+            self.delay_s, self.error, self.calls = delay_s, error, 0
+
+        async def call(self, replica_id, method, *args):
+            self.calls += 1
+            await asyncio.sleep(self.delay_s)
+            if self.error:
+                raise self.error
+            return None
+
+    engine = _engine(tiny_model_dirs["llama"])
+    prompt = _prompt(42, seed=11)
+    looped = AsyncLLMEngine(engine)
+    try:
+        slow = KvPuller(looped, "me", KvPullConfig(timeout_s=0.05), caller=Holder(delay_s=30))
+        assert asyncio.run(slow.pull(KvSource("other", 8), prompt, None)) is None
+        broken = KvPuller(looped, "me", caller=Holder(error=RuntimeError("actor died")))
+        assert asyncio.run(broken.pull(KvSource("other", 8), prompt, None)) is None
+        empty = KvPuller(looped, "me", caller=Holder())
+        assert asyncio.run(empty.pull(KvSource("other", 8), prompt, None)) is None
+        assert asyncio.run(empty.pull(KvSource("me", 8), prompt, None)) is None  # the holder is itself
+        _run(engine, prompt)
+        assert asyncio.run(empty.pull(KvSource("other", 8), prompt, None)) is None  # held here already
+    finally:
+        looped.shutdown()
+    assert (slow.stats.timeouts, slow.stats.pulls) == (1, 1)
+    assert broken.stats.failed == 1 and "actor died" in broken.stats.last_error
+    assert (empty.stats.empty, empty.stats.skipped, empty.caller.calls) == (1, 2, 1)
