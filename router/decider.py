@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.load_table import LoadTable
 from router.policy import Decision, Policy, ReplicaView, RouteRequest
@@ -124,8 +124,7 @@ class Decider:
         """Decide among the replicas that matter; rank them by the policy's cost for fallbacks.
         `ids` are the live candidates, `queue_len` this router's own count of requests it sent
         to a replica (fresher than heartbeats)."""
-        self.loads.watch(ids)
-        live = set(ids)
+        live = self.loads.watch(ids)
         matched = {rid: e.matched_blocks for rid, e in look.replicas.items() if rid in live}
         for rid, n in self.inflight.match(route.block_hashes).items():
             if rid in live and n > matched.get(rid, 0):
@@ -140,14 +139,14 @@ class Decider:
         previous turn, load from its load table (unknown once that is older than its max age)
         and its own in-flight counts. Routing blind would throw the cache away exactly when the
         gateway is starved (docs/fleet.md, run C)."""
-        self.loads.watch(ids)
-        live = set(ids)
+        live = self.loads.watch(ids)
         matched = {rid: n for rid, n in self.inflight.match(route.block_hashes, self.inflight.keep_s).items() if rid in live}
         session_replica = self.sessions.get(route.session_id)
         if session_replica not in live:
             session_replica = None
         routed = self._choose(route, ids, matched, session_replica, queue_len)
-        routed.decision = Decision(routed.decision.replica_id, "stale", routed.decision.matched_blocks)
+        # no pull hint from memory alone: the source may no longer hold what we remember
+        routed.decision = replace(routed.decision, reason="stale", pull_from=None, pull_blocks=0)
         return routed
 
     def _choose(self, route: RouteRequest, ids: list[str], matched: dict[str, int], session_replica: str | None,

@@ -28,18 +28,23 @@ class LoadTable:
         self.max_age_s = max_age_s  # a table not refreshed for this long (Redis away) knows nothing
         self.rng = random.Random(seed)
         self._watched: list[str] = []
+        self._live: set[str] = set()
         self._loads: dict[str, dict[str, int]] = {}
+        self._pessimistic: tuple[dict, dict[str, int]] | None = None  # (of which table, value)
         self._task: asyncio.Task | None = None
         self.refreshes = 0
         self.updated_at = 0.0
 
-    def watch(self, replica_ids: Iterable[str]) -> None:
-        """The replicas to keep fresh (the router's current candidates)."""
-        ids = list(replica_ids)
+    def watch(self, replica_ids: Iterable[str]) -> set[str]:
+        """The replicas to keep fresh (the router's current candidates); returns them as a set,
+        rebuilt only when they change (a decision must not pay O(fleet) for it)."""
+        ids = replica_ids if isinstance(replica_ids, list) else list(replica_ids)
         if ids != self._watched:
-            self._watched = ids
+            self._watched = list(ids)
+            self._live = set(ids)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
+        return self._live
 
     def get(self, replica_id: str) -> dict[str, int] | None:
         if time.monotonic() - self.updated_at > self.max_age_s:
@@ -62,7 +67,16 @@ class LoadTable:
 
     def pessimistic(self) -> dict[str, int]:
         """Load to assume for a replica whose heartbeat is missing: as busy as the busiest known
-        one, plus a queued request (a stalled replica must never look cheapest)."""
+        one, plus a queued request (a stalled replica must never look cheapest). Computed once
+        per table refresh, not per decision: it scans every replica's load."""
+        cached = self._pessimistic
+        if cached is not None and cached[0] is self._loads:
+            return cached[1]
+        value = self._scan_pessimistic()
+        self._pessimistic = (self._loads, value)
+        return value
+
+    def _scan_pessimistic(self) -> dict[str, int]:
         loads = self._loads.values()
         if not loads:
             return {"running": 0, "waiting": 1, "pending_prefill_tokens": 0}
