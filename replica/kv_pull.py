@@ -22,6 +22,7 @@ import asyncio
 import collections
 import logging
 import pickle
+import struct
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -188,7 +189,10 @@ class KvPuller:
         n = min(source.num_blocks, (len(prompt) - 1) // bs)
         if source.replica_id == self.replica_id or n <= 0 or self.caller is None:
             return self._outcome("skipped")
-        hashes = block_hashes(prompt[: n * bs], bs, chain_seed(e.model_id, cache_salt))
+        try:
+            hashes = block_hashes(prompt[: n * bs], bs, chain_seed(e.model_id, cache_salt))
+        except (struct.error, TypeError, OverflowError):  # not token ids: the add refuses it (400)
+            return self._outcome("skipped")
         first = 0
         held = e.blocks.hash_to_block  # a racy read is fine: it only trims what is asked for
         while first < n and hashes[first] in held:

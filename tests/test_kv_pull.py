@@ -296,10 +296,11 @@ def test_slow_or_failing_holder_means_recompute(tiny_model_dirs):
         empty = KvPuller(looped, "me", caller=Holder())
         assert asyncio.run(empty.pull(KvSource("other", 8), prompt, None)) is None
         assert asyncio.run(empty.pull(KvSource("me", 8), prompt, None)) is None  # the holder is itself
+        assert asyncio.run(empty.pull(KvSource("other", 8), [-1] * 40, None)) is None  # not token ids: no pull
         _run(engine, prompt)
         assert asyncio.run(empty.pull(KvSource("other", 8), prompt, None)) is None  # held here already
     finally:
         looped.shutdown()
     assert (slow.stats.timeouts, slow.stats.pulls) == (1, 1)
     assert broken.stats.failed == 1 and "actor died" in broken.stats.last_error
-    assert (empty.stats.empty, empty.stats.skipped, empty.caller.calls) == (1, 2, 1)
+    assert (empty.stats.empty, empty.stats.skipped, empty.caller.calls) == (1, 3, 1)
