@@ -67,7 +67,7 @@ def build_app(config: AppConfig) -> serve.Application:
         max_model_len=config.max_model_len,
     )
     settings = ReplicaSettings(engine, config.redis_url, config.key_prefix, config.publish_depth, config.torch_threads,
-                               sim=sim_settings(config, model_id))
+                               sim=sim_settings(config, model_id), kv_pull_timeout_s=config.kv_pull_timeout_s)
     if settings.sim is not None:
         actor_options = {"num_cpus": config.sim_replica_num_cpus}
     else:

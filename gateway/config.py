@@ -42,6 +42,7 @@ class AppConfig:
     # upscale_delay_s, downscale_delay_s, ...); when set it replaces `replicas` (infra/serve-autoscale.yaml)
     autoscaling: dict | None = None
     drain_timeout_s: float = 20.0  # a stopping replica's requests get this long to finish; the rest move on
+    kv_pull_timeout_s: float = 5.0  # a replica acting on a pull hint waits this long for the holder, then computes
     session_ttl_s: int = 1800
     seed: int | None = None
     gateway_num_cpus: float = 0.25
