@@ -20,6 +20,9 @@ from router.transfer_model import fleet_rate
 
 log = logging.getLogger("prefixgate.router")
 
+REFRESH_CHUNK = 32  # replicas per pipelined round trip of a load-table refresh
+_FIELDS = tuple(f.encode() for f in HEARTBEAT_FIELDS)
+
 
 class LoadTable:
     def __init__(self, index: RedisIndex, refresh_s: float = 0.1, max_age_s: float = 3.0, seed: int | None = None) -> None:
@@ -32,6 +35,7 @@ class LoadTable:
         self._loads: dict[str, dict[str, int]] = {}
         self._pessimistic: tuple[dict, dict[str, int]] | None = None  # (of which table, value)
         self._task: asyncio.Task | None = None
+        self._hb_keys: dict[str, bytes] = {}
         self.refreshes = 0
         self.updated_at = 0.0
 
@@ -87,22 +91,39 @@ class LoadTable:
         }
 
     async def refresh(self) -> None:
+        """One HMGET per watched replica, pipelined in chunks: between chunks the event loop
+        runs decisions, which would otherwise wait behind the whole fleet's packing and parsing
+        (about 6 ms of CPU at 256 replicas, every refresh)."""
         ids = list(self._watched)
         if not ids:
             return
         client = await self.index._open_guarded()
-        pipe = client.pipeline(transaction=False)
-        for rid in ids:
-            pipe.hmget(self.index.keys.heartbeat(rid), list(HEARTBEAT_FIELDS))
-        answers = await asyncio.wait_for(pipe.execute(), max(self.index.config.timeout_s * 10, 0.5))
+        deadline = time.monotonic() + max(self.index.config.timeout_s * 10, 0.5)
+        keys = self._heartbeat_keys(ids)
         loads = {}
-        for rid, values in zip(ids, answers, strict=True):
-            parsed = parse_heartbeat(values)
-            if parsed is not None:
-                loads[rid] = parsed
+        for start in range(0, len(ids), REFRESH_CHUNK):
+            chunk = ids[start : start + REFRESH_CHUNK]
+            pipe = client.pipeline(transaction=False)
+            for rid in chunk:
+                pipe.execute_command("HMGET", keys[rid], *_FIELDS)
+            answers = await asyncio.wait_for(pipe.execute(), max(deadline - time.monotonic(), 0.001))
+            for rid, values in zip(chunk, answers, strict=True):
+                parsed = parse_heartbeat(values)
+                if parsed is not None:
+                    loads[rid] = parsed
         self._loads = loads
         self.refreshes += 1
         self.updated_at = time.monotonic()
+
+    def _heartbeat_keys(self, ids: list[str]) -> dict[str, bytes]:
+        """Encoded heartbeat key names, made once per replica (kept for the current fleet)."""
+        cache = self._hb_keys
+        if len(cache) > 2 * len(ids) + 64:  # replicas come and go: forget the departed
+            cache.clear()
+        for rid in ids:
+            if rid not in cache:
+                cache[rid] = self.index.keys.heartbeat(rid).encode()
+        return cache
 
     async def _run(self) -> None:
         while True:
