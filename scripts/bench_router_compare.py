@@ -3,8 +3,10 @@
 `prefixgate bench router` times one version of the decision path. To show what a change to
 it buys, this script loads `router/decider.py`, `router/load_table.py` and
 `router/redis_index.py` as they were at `--before` (from git) next to the working tree's, publishes the same index as the benchmark
-(router.bench.populate) into one private redis-server, and alternates decisions between
-(fleet size x version), so machine noise falls on all of them alike. Each decision is what
+(router.bench.populate) into one private redis-server, and runs the two versions at the same
+time in two processes (each its own event loop: one version's background load-table refresh
+must not stall the other's decisions), each alternating its decisions between the fleet
+sizes, so machine noise falls on all of them alike. Each decision is what
 the Ray Serve router does per request: chain-hash the prompt, one Redis lookup, read this
 router's queue lengths (Ray's ReplicaQueueLengthCache, keyed by ReplicaID), score with the
 affinity policy. The old version reads every candidate's queue length (as the router did
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import random
 import statistics
 import subprocess
@@ -105,45 +108,76 @@ async def measure(variants: dict[tuple[int, str], Variant], prompts: list[list[i
         await v.index.close()
 
 
+def run_version(args, sizes: list[int], prompts: list[list[int]]) -> int:
+    """Child process: one version, every fleet size alternated, its own event loop (a version's
+    background load-table refresh must not stall the other version's decisions)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.version == "before":
+            classes, lazy = load_old(args.before, Path(tmp)), False
+        else:
+            classes, lazy = (Decider, InflightPrefixes, LoadTable, RedisIndex), True
+        variants = {(r, args.version): Variant(args.redis_url, f"cmp{r}", [f"r{i}" for i in range(r)], classes, lazy)
+                    for r in sizes}
+        asyncio.run(measure(variants, prompts, args.iterations))
+    out = {}
+    for (r, _), v in variants.items():
+        ms = sorted(t * 1000 for t in v.timings)
+        out[r] = {"p50": statistics.median(ms), "p90": ms[int(0.9 * (len(ms) - 1))],
+                  "p99": ms[int(0.99 * (len(ms) - 1))], "cpu_us": statistics.fmean(v.cpu) * 1e6}
+    print(json.dumps(out))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", default="HEAD", help="git commit whose decider and load table are the 'before'")
+    parser.add_argument("--before", default="HEAD", help="git commit whose decider, load table and index are 'before'")
     parser.add_argument("--replicas", default="8,256")
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--version", choices=("before", "after"), help=argparse.SUPPRESS)  # child process
+    parser.add_argument("--redis-url", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.replicas.split(",") if x]
     rng = random.Random(0)
     system = [rng.randrange(50_000) for _ in range(SYSTEM_TOKENS)]
     prompts = [system + [rng.randrange(50_000) for _ in range(args.prompt_tokens - SYSTEM_TOKENS)] for _ in range(64)]
-    with tempfile.TemporaryDirectory() as tmp:
-        old = load_old(args.before, Path(tmp))
-        new = (Decider, InflightPrefixes, LoadTable, RedisIndex)
-        server = LocalRedis().start()
-        try:
-            client = _client(server.url, False)
-            variants: dict[tuple[int, str], Variant] = {}
-            for r in sizes:
-                replicas = [f"r{i}" for i in range(r)]
-                t0 = time.monotonic()
-                n = populate(client, RedisKeys(f"cmp{r}"), replicas, args.blocks, prompts, r)
-                print(f"R={r}: published {n} block entries in {time.monotonic() - t0:.1f} s", flush=True)
-                variants[(r, "before")] = Variant(server.url, f"cmp{r}", replicas, old, lazy_queue=False)
-                variants[(r, "after")] = Variant(server.url, f"cmp{r}", replicas, new, lazy_queue=True)
-            asyncio.run(measure(variants, prompts, args.iterations))
-        finally:
-            server.cleanup()
-    p99 = {}
-    for (r, name), v in variants.items():
-        ms = sorted(t * 1000 for t in v.timings)
-        p99[(r, name)] = ms[int(0.99 * (len(ms) - 1))]
-        print(f"R={r:4d} {name:6s}: p50 {statistics.median(ms):.3f} ms  p90 {ms[int(0.9 * (len(ms) - 1))]:.3f} ms  "
-              f"p99 {p99[(r, name)]:.3f} ms  router CPU {statistics.fmean(v.cpu) * 1e6:.0f} us/decision")
+    if args.version:
+        return run_version(args, sizes, prompts)
+    server = LocalRedis().start()
+    try:
+        client = _client(server.url, False)
+        for r in sizes:
+            t0 = time.monotonic()
+            n = populate(client, RedisKeys(f"cmp{r}"), [f"r{i}" for i in range(r)], args.blocks, prompts, r)
+            print(f"R={r}: published {n} block entries in {time.monotonic() - t0:.1f} s", flush=True)
+        # both versions at once, each in its own process: the same machine noise falls on both
+        children = {
+            name: subprocess.Popen([sys.executable, __file__, "--version", name, "--redis-url", server.url,
+                                    "--before", args.before, "--replicas", args.replicas,
+                                    "--prompt-tokens", str(args.prompt_tokens), "--iterations", str(args.iterations)],
+                                   stdout=subprocess.PIPE, text=True)
+            for name in ("before", "after")
+        }
+        results = {}
+        for name, child in children.items():
+            out, _ = child.communicate(timeout=1200)
+            if child.returncode != 0:
+                raise RuntimeError(f"{name} run failed ({child.returncode})")
+            results[name] = {int(r): v for r, v in json.loads(out.strip().splitlines()[-1]).items()}
+    finally:
+        server.cleanup()
+    for r in sizes:
+        for name in ("before", "after"):
+            x = results[name][r]
+            print(f"R={r:4d} {name:6s}: p50 {x['p50']:.3f} ms  p90 {x['p90']:.3f} ms  p99 {x['p99']:.3f} ms  "
+                  f"process CPU {x['cpu_us']:.0f} us/decision")
     if len(sizes) >= 2:
         lo, hi = sizes[0], sizes[-1]
         for name in ("before", "after"):
-            print(f"{name:6s}: p99 ratio R={hi} / R={lo}: {p99[(hi, name)] / p99[(lo, name)]:.2f}")
+            a, b = results[name][hi], results[name][lo]
+            print(f"{name:6s}: R={hi} / R={lo}: p50 {a['p50'] / b['p50']:.2f}  p90 {a['p90'] / b['p90']:.2f}  "
+                  f"p99 {a['p99'] / b['p99']:.2f}")
     return 0
 
 
