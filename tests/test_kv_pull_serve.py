@@ -209,3 +209,85 @@ def test_holder_killed_mid_pull_still_completes(stack, caller):
     # leave two live replicas for the tests after this one
     _wait(lambda: a not in _live(stack), "the killed holder's heartbeat to expire", 60)
     _wait(lambda: len(_live(stack)) == 2, "Serve's replacement replica", 240)
+
+
+# ---- the whole path: gateway -> affinity-pull router -> real replica pulling from the holder ----
+PULL_APP = "pull-model"
+
+
+@pytest.fixture(scope="module")
+def pull_app(stack, redis_server):
+    """A second app beside the session's: gateway, PrefixGateRouter(affinity-pull), 2 replicas
+    of the real model, on the session's Redis under its own key prefix."""
+    import uuid
+    from types import SimpleNamespace
+
+    from ray import serve
+    from ray.serve._private.common import DeploymentID
+
+    from gateway.config import AppConfig
+
+    prefix = f"pullm-{uuid.uuid4().hex[:6]}"
+    config = AppConfig(replicas=2, policy="affinity-pull", redis_url=redis_server.url, key_prefix=prefix,
+                       kv_cache_mb=128, max_model_len=2048, default_max_tokens=16, redis_timeout_s=1.0)
+    if PULL_APP in serve.status().applications:
+        serve.delete(PULL_APP)
+    base = stack.deploy(config, name=PULL_APP, route_prefix=f"/{PULL_APP}")
+    try:
+        yield SimpleNamespace(url=base, keys=RedisKeys(prefix),
+                              redis=redis.Redis.from_url(redis_server.url, decode_responses=True),
+                              caller=ReplicaCaller(DeploymentID(name="PrefixCacheReplica", app_name=PULL_APP)))
+    finally:
+        serve.delete(PULL_APP)
+
+
+def _complete(app, prompt: list[int], max_tokens: int):
+    import httpx
+
+    r = httpx.post(f"{app.url}/v1/completions", timeout=180,
+                   json={"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens,
+                         "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_router_hint_makes_a_real_replica_pull(pull_app):
+    """A replica busy prefilling a long prompt (1,500 tokens, several chunks: seconds here) has
+    published the prompt's first chunk of blocks: affinity-pull sends the next request on that
+    prefix to the other replica with a hint, and that replica pulls the K/V for real."""
+    app = pull_app
+    base = _prompt(20 * BLOCK)
+    hashes = [str(h) for h in block_hashes(base, BLOCK, chain_seed("SmolLM2-135M-Instruct"))]
+    done = threading.Event()
+    reply: dict = {}
+
+    def long_request() -> None:
+        try:
+            reply["r"] = _complete(app, base + _prompt(1200), 1)
+        except BaseException as e:  # reported below
+            reply["error"] = e
+        finally:
+            done.set()
+
+    def holder() -> str | None:
+        for rid in app.redis.smembers(app.keys.replicas):
+            if set(hashes) <= app.redis.smembers(app.keys.blocks(rid)):
+                return rid
+        return "" if done.is_set() else None
+
+    worker = threading.Thread(target=long_request, daemon=True)
+    worker.start()
+    try:
+        busy = _wait(holder, "the long prompt's first chunk in the index", 120)
+        assert busy and not done.is_set(), ("the long prefill ended before the test could route beside it", reply)
+        r = _complete(app, base + [7], 1)
+        other = r.headers["x-prefixgate-replica"]
+        assert other != busy and r.headers["x-prefixgate-route"] == "pull", dict(r.headers)
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 20 * BLOCK
+        stats = asyncio.run(app.caller.call(other, "info"))["stats"]["kv_pull"]
+        assert stats["ok"] == 1 and stats["pulled_blocks"] == 20
+    finally:
+        assert done.wait(300), "the long request never finished"
+        worker.join(5)
+    assert "error" not in reply, reply["error"]
+    assert reply["r"].headers["x-prefixgate-replica"] == busy
