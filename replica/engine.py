@@ -148,6 +148,8 @@ class LLMEngine:
             self.kv_imported_blocks += kv_transfer.import_blocks(self, kv, seq.table.hashes[:limit], seq.token_ids)
         except kv_transfer.KvTransferError:
             self.kv_import_failures += 1
+        finally:
+            kv.release()  # copied into the pool (or refused): the payload's memory can go
 
     def _check_prefix(self, prefix: list[int], params: SamplingParams) -> None:
         if len(prefix) >= params.max_tokens:

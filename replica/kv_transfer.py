@@ -48,6 +48,11 @@ class KvBlocks:
     def nbytes(self) -> int:
         return int(self.k.nbytes + self.v.nbytes)
 
+    def release(self) -> None:
+        """Drop the arrays once imported: read zero-copy, they pin Ray object-store memory for as
+        long as anything (a request's arguments, for its whole life) holds this object."""
+        self.k = self.v = np.empty((0,), dtype=self.k.dtype)
+
 
 def _blocks_view(t: torch.Tensor, block_size: int) -> torch.Tensor:
     """[layers, heads, slots, dim] -> [layers, heads, blocks, block_size, dim] (no copy)."""

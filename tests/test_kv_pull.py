@@ -75,6 +75,7 @@ def test_pulled_prefix_gives_recompute_output(tiny_model_dirs, family):
     assert holder.blocks.num_used == 0
 
     pulled = _run(puller, prompt, kv)
+    assert kv.nbytes == 0  # the payload's arrays were released once copied into the pool
     usable = (len(prompt) - 1) // BS  # the last prompt token is always computed
     assert pulled.num_cached_tokens == usable * BS
     assert pulled.token_ids == recomputed.token_ids
