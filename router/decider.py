@@ -25,6 +25,7 @@ from router.redis_index import Lookup
 # away (the fresh path counts only INFLIGHT_TTL_S). A replica usually still holds what it was
 # sent half a minute ago; when it does not, the engine just computes what it lacks.
 STALE_MEMORY_S = 30.0
+MAX_OWNERS = 4  # replicas remembered per block hash
 
 
 class InflightPrefixes:
@@ -41,34 +42,49 @@ class InflightPrefixes:
         self.ttl_s = ttl_s
         self.keep_s = max(keep_s if keep_s is not None else ttl_s, ttl_s)
         self.max_entries = max_entries
-        self._entries: OrderedDict[int, tuple[str, float]] = OrderedDict()  # hash -> (replica, routed at)
+        # hash -> ((replica, routed at), ...), oldest first, at most MAX_OWNERS: a shared system
+        # prompt goes to several replicas, and each still holds it
+        self._entries: OrderedDict[int, tuple[tuple[str, float], ...]] = OrderedDict()
 
     def add(self, hashes: list[int], replica_id: str) -> None:
         now = time.monotonic()
+        entries = self._entries
         for h in hashes:
-            self._entries[h] = (replica_id, now)
-            self._entries.move_to_end(h)
+            owners = entries.get(h)
+            if owners is None:
+                entries[h] = ((replica_id, now),)
+                continue
+            kept = tuple(o for o in owners if o[0] != replica_id)[-(MAX_OWNERS - 1):]
+            entries[h] = (*kept, (replica_id, now))
+            entries.move_to_end(h)
         self._prune()
 
     def match(self, hashes: list[int], max_age_s: float | None = None) -> dict[str, int]:
-        """Leading blocks of this prompt routed to one replica within `max_age_s` (default
-        `ttl_s`): {replica: count}."""
+        """Leading blocks of this prompt routed to each replica within `max_age_s` (default
+        `ttl_s`): {replica: count}, for every replica whose run is at least one block."""
         oldest = time.monotonic() - (self.ttl_s if max_age_s is None else max_age_s)
-        owner, count = None, 0
-        for h in hashes:
-            entry = self._entries.get(h)
-            if entry is None or entry[1] < oldest or (owner is not None and entry[0] != owner):
+        alive: set[str] | None = None
+        result: dict[str, int] = {}
+        for i, h in enumerate(hashes, 1):
+            owners = self._entries.get(h)
+            if owners is None:
                 break
-            owner, count = entry[0], count + 1
-        return {owner: count} if owner is not None else {}
+            fresh = {rid for rid, routed_at in owners if routed_at >= oldest}
+            alive = fresh if alive is None else alive & fresh
+            if not alive:
+                break
+            for rid in alive:
+                result[rid] = i
+        return result
 
     def _prune(self) -> None:
         oldest = time.monotonic() - self.keep_s
-        while self._entries:
-            h, (_, routed_at) = next(iter(self._entries.items()))
-            if routed_at >= oldest and len(self._entries) <= self.max_entries:
+        entries = self._entries
+        while entries:
+            h, owners = next(iter(entries.items()))
+            if owners[-1][1] >= oldest and len(entries) <= self.max_entries:
                 break
-            del self._entries[h]
+            del entries[h]
 
 
 class SessionMemory:

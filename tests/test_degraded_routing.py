@@ -76,6 +76,18 @@ def test_prefix_routed_before_the_outage_is_found_beyond_the_fresh_window():
     assert routed.decision.replica_id == "r3" and routed.matched == {"r3": 10}
 
 
+def test_a_conversation_matches_its_home_after_its_system_prompt_went_elsewhere():
+    """Sessions sharing a system prompt live on different replicas: the prompt's blocks were
+    last sent to r6, yet r2, which holds this conversation's whole history, matches deepest."""
+    decider = _decider(fresh=False)
+    system = list(range(300, 306))
+    _sent(decider, _route(system + [1, 2, 3], "chat-a"), "r2")
+    _sent(decider, _route(system + [7], "chat-b"), "r6")
+    routed = _degraded(decider, _route(system + [1, 2, 3, 4], "chat-a"))
+    assert routed.matched["r2"] == 9 and routed.matched["r6"] == 6
+    assert routed.decision.replica_id == "r2"
+
+
 def test_prefix_and_session_memory_end():
     decider = _decider(fresh=False, inflight=InflightPrefixes(0.01, keep_s=0.05))
     decider.sessions = SessionMemory(ttl_s=0.05)

@@ -11,8 +11,11 @@ def test_leading_blocks_of_recent_routes():
     assert recent.match([1, 2, 3, 4]) == {"a": 3}
     assert recent.match([1, 2, 7]) == {"a": 2}
     assert recent.match([9, 1, 2]) == {}
-    recent.add([1, 2, 8], "b")  # the newest route of a block wins
-    assert recent.match([1, 2, 3]) == {"b": 2}
+    recent.add([1, 2, 8], "b")  # a shared prefix sent to a second replica: both hold it
+    assert recent.match([1, 2, 3]) == {"a": 3, "b": 2}
+    for rid in "cdef":  # at most MAX_OWNERS replicas per block, the oldest forgotten
+        recent.add([1], rid)
+    assert recent.match([1, 2]) == {"c": 1, "d": 1, "e": 1, "f": 1}
 
 
 def test_entries_expire_and_stay_bounded():
