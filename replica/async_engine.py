@@ -118,6 +118,11 @@ class AsyncLLMEngine:
         self._post(fn, future)
         return await asyncio.wrap_future(future)
 
+    def post(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run fn(engine) on the loop thread between steps without waiting for it (for callbacks
+        that cannot await, e.g. releasing the pins of an export whose caller was cancelled)."""
+        self._post(fn, None)
+
     def call(self, fn, *args):
         """Blocking form of submit for synchronous callers (tests); never call it on an event
         loop that must keep answering."""

@@ -237,7 +237,7 @@ class KvPuller:
     async def export(self, hashes: list[int], token_ids: list[int], first: int) -> kv_transfer.KvBlocks | None:
         """The run of hashes[first:] held here: pinned on the engine thread, copied off it."""
         e = self.engine.engine
-        block_ids = await self.engine.submit(lambda engine: kv_transfer.pin(engine, hashes, token_ids, first))
+        block_ids = await self._pin(hashes, token_ids, first)
         if not block_ids:
             return None
         try:
@@ -257,6 +257,26 @@ class KvPuller:
         if self.metrics is not None:
             self.metrics.exported.inc(kv.nbytes)
         return kv
+
+    async def _pin(self, hashes: list[int], token_ids: list[int], first: int) -> list[int]:
+        """The pin, cancellation-safe: once posted it runs on the engine thread whatever happens
+        to this task, so a caller cancelled meanwhile (the asker timed out) hands the block ids
+        to a callback that unpins them instead of losing them, pinned forever."""
+        pinning = asyncio.ensure_future(
+            self.engine.submit(lambda engine: kv_transfer.pin(engine, hashes, token_ids, first))
+        )
+        try:
+            return await asyncio.shield(pinning)
+        except asyncio.CancelledError:
+            pinning.add_done_callback(self._unpin_abandoned)
+            raise
+
+    def _unpin_abandoned(self, pinning: asyncio.Future) -> None:
+        if pinning.cancelled() or pinning.exception() is not None:
+            return  # nothing was pinned
+        block_ids = pinning.result()
+        if block_ids:
+            self.engine.post(lambda engine: engine.blocks.unpin(block_ids))
 
     # ---- measurements -----------------------------------------------------------------------
     def observe(self, out: RequestOutput) -> None:

@@ -305,3 +305,62 @@ def test_slow_or_failing_holder_means_recompute(tiny_model_dirs):
     assert (slow.stats.timeouts, slow.stats.pulls) == (1, 1)
     assert broken.stats.failed == 1 and "actor died" in broken.stats.last_error
     assert (empty.stats.empty, empty.stats.skipped, empty.caller.calls) == (1, 3, 1)
+
+
+def test_export_cancelled_after_the_pin_ran_releases_the_pins(tiny_model_dirs):
+    """The asker gives up (timeout, death) after the engine thread pinned the blocks but before
+    the export's task saw the block ids: the pins must still go, or the blocks leak forever.
+    The engine thread is held by two commands around the pin, so the cancel lands in that window."""
+    import asyncio
+    import threading
+
+    from replica.async_engine import AsyncLLMEngine
+    from replica.kv_pull import KvPuller
+
+    engine = _engine(tiny_model_dirs["llama"])
+    prompt = _prompt(42, seed=12)
+    _run(engine, prompt)
+    hashes = block_hashes(prompt, BS, engine.hash_seed(None))
+    looped = AsyncLLMEngine(engine)
+    holding, before, after, pinned_ran = (threading.Event() for _ in range(4))
+
+    async def scenario() -> list[int]:
+        puller = KvPuller(looped, "holder")
+        looped.post(lambda e: (holding.set(), before.wait(10)))  # holds the engine thread
+        assert await asyncio.to_thread(holding.wait, 10)  # the pin will queue behind it
+        export = asyncio.ensure_future(puller.export(hashes, prompt, 0))
+        for _ in range(1000):  # until the export has posted its pin
+            await asyncio.sleep(0)
+            if looped._inbox:
+                break
+        assert looped._inbox, "the export never posted its pin"
+
+        def hold(e) -> None:  # runs right after the pin, in the same drain: results not yet delivered
+            pinned_ran.set()
+            after.wait(10)
+
+        looped.post(hold)
+        before.set()
+        assert await asyncio.to_thread(pinned_ran.wait, 10)
+        assert engine.blocks.num_used == len(hashes)  # pinned by the export
+        export.cancel()
+        await asyncio.sleep(0)
+        after.set()
+        with pytest.raises(asyncio.CancelledError):
+            await export
+        refs: list[int] = []
+        for _ in range(200):  # the release is posted once the pin's answer arrives
+            refs = await looped.submit(lambda e: list(e.blocks.ref_count))
+            if not any(refs):
+                break
+            await asyncio.sleep(0.05)
+        return refs
+
+    try:
+        refs = asyncio.run(scenario())
+    finally:
+        before.set()
+        after.set()
+        looped.shutdown()
+    assert not any(refs), "blocks stay pinned after a cancelled export"
+    assert engine.blocks.num_cached >= len(hashes)
