@@ -4,8 +4,9 @@ One local stack (Redis, Ray Serve), three apps of `--replicas` sim-compute repli
 real BlockManager and usage accounting, cold caches, own key prefixes), the same chat load on
 each: sessions of several turns, each opening with one of a few shared system prompts.
 - `index`: affinity with the Redis index (the normal path);
-- `stale`: affinity whose every lookup times out (`redis_timeout_s` 1 µs): each decision is
-  `stale`, made from the router's own memory and load table;
+- `stale`: affinity whose every lookup times out (`redis_timeout_s` 0: asyncio.wait_for with
+  no time at all, so the router's Redis calls always fail while the replicas still publish and
+  the load table still refreshes): each decision is `stale`, made from the router's own memory;
 - `blind`: consistent hashing on the session (policy `session`), what the router did without
   the index before `stale` decisions existed (route reason `fallback`).
 Reports the prompt tokens served from cache (sum of cached_tokens / sum of prompt tokens) and
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     variants = {
         "index": {"policy": "affinity"},
-        "stale": {"policy": "affinity", "redis_timeout_s": 1e-6},
+        "stale": {"policy": "affinity", "redis_timeout_s": 0.0},
         "blind": {"policy": "session"},
     }
     base_config = dict(engine="sim", replicas=args.replicas, default_max_tokens=16, redis_url="auto")
