@@ -10,6 +10,7 @@ The async, streaming front for servers is replica.async_engine.AsyncLLMEngine.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -37,6 +38,8 @@ from replica.scheduler import Scheduler, SchedulerConfig
 from replica.sequence import Sequence
 from replica.token_text import TokenText
 from router.protocol.hashing import block_hashes, chain_seed
+
+log = logging.getLogger("prefixgate.replica.engine")
 
 __all__ = ["LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "InvalidRequestError"]
 
@@ -70,7 +73,7 @@ class LLMEngine:
         self._generated = 0
         self._scheduled_at: dict[str, float] = {}  # request id -> first scheduled (queue time)
         self.kv_imported_blocks = 0  # blocks pulled from other replicas into this cache
-        self.kv_import_failures = 0  # pulled payloads refused (another shape): recomputed
+        self.kv_import_failures = 0  # pulled payloads refused (another shape, a bad payload): recomputed
 
     # ---- submission ---------------------------------------------------------------------
     def add_listener(self, listener: KVEventListener) -> None:
@@ -146,8 +149,9 @@ class LLMEngine:
         limit = (seq.num_tokens - 1) // self.config.block_size  # the last token is always computed
         try:
             self.kv_imported_blocks += kv_transfer.import_blocks(self, kv, seq.table.hashes[:limit], seq.token_ids)
-        except kv_transfer.KvTransferError:
+        except Exception as err:  # another shape (KvTransferError) or a payload torch refuses
             self.kv_import_failures += 1
+            log.warning("pulled K/V refused, the prompt is computed: %s: %s", type(err).__name__, str(err)[:200])
         finally:
             kv.release()  # copied into the pool (or refused): the payload's memory can go
 

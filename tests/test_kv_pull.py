@@ -140,6 +140,26 @@ def test_incompatible_payload_is_recomputed(tiny_model_dirs):
     assert puller.kv_import_failures == 1 and puller.blocks.num_used == 0
 
 
+def test_payload_torch_refuses_is_recomputed(tiny_model_dirs):
+    """A payload that passes the shape check but makes torch raise on the copy (float64 arrays
+    labelled float32): the request is computed, the failure counted, nothing left behind."""
+    holder, puller = _engine(tiny_model_dirs["llama"]), _engine(tiny_model_dirs["llama"])
+    prompt = _prompt(30, seed=13)
+    recomputed = _run(holder, prompt)
+    kv = kv_transfer.export_prefix(holder, block_hashes(prompt, BS, holder.hash_seed(None)), prompt)
+    kv.k, kv.v = kv.k.astype(np.float64), kv.v.astype(np.float64)
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)  # sampler state per request
+    rid = puller.add_request(prompt, seeded, kv_prefix=kv)
+    assert puller.kv_import_failures == 1 and kv.nbytes == 0
+    assert puller.blocks.num_cached == 0 and not puller.blocks.hash_to_block  # nothing half-imported
+    out = None
+    while out is None:
+        out = next((o for o in puller.step() if o.request_id == rid and o.finished), None)
+    assert out.num_cached_tokens == 0 and len(out.token_ids) == 12
+    assert puller.blocks.num_used == 0 and not puller.sampler._generators  # finished: nothing kept
+    assert _run(puller, prompt).token_ids == recomputed.token_ids  # the engine still serves
+
+
 def test_foreign_hashes_are_never_imported(tiny_model_dirs):
     """A payload for another prompt (or tenant) shares no hash with this prompt: nothing enters."""
     holder, puller = _engine(tiny_model_dirs["llama"]), _engine(tiny_model_dirs["llama"])
