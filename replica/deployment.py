@@ -17,6 +17,7 @@ from replica.drain import drain_replica
 from replica.engine_types import EngineConfig, InvalidRequestError
 from replica.metrics import ReplicaMetrics
 from replica.publisher import BlockPublisher, PublisherConfig
+from replica.pull_load import add_pull_load
 from replica.sampling_params import SamplingParams
 from router.protocol.messages import GenerateRequest
 
@@ -137,14 +138,8 @@ class PrefixCacheReplica:
         lag = getattr(self.engine.engine, "lag", None)  # sim replica: the fleet harness reads every replica's
         if lag is not None and lag.modelled_s > 0:
             load["step_lag"] = round(lag.actual_s / lag.modelled_s - 1, 4)  # time-weighted, since start
-        if self.kv_pull is not None:
-            load.update(self.kv_pull.heartbeat())
-        if self.kv_bytes_per_token:
-            load["kv_bytes_per_token"] = self.kv_bytes_per_token
         pull_rates = getattr(self.engine.engine, "pull_rates", None)  # sim engine: its modelled rates
-        if pull_rates is not None:
-            load.update(pull_rates())
-        return load
+        return add_pull_load(load, self.kv_pull, self.kv_bytes_per_token, pull_rates() if pull_rates else None)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         yield {"type": "start", "replica": self.replica_id, "route": request.route}

@@ -25,6 +25,7 @@ import pickle
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,10 @@ class KvPullConfig:
     # the holder releases exported blocks as the next to evict: the copy on the puller is the one
     # the conversation will use (simulator: +1 point of hit rate at 8 replicas, docs/kv-pull.md)
     demote_exported: bool = True
+    # a measured pull rate this old (no pull since) is dropped: the heartbeat reports 0, "not
+    # measured", and the router prices pulls with its default again, so one slow pull that put
+    # the rate below break-even cannot stop pulls (and so new measurements) for good
+    rate_ttl_s: float = 60.0
 
 
 @dataclass
@@ -174,12 +179,16 @@ class KvPuller:
     config: KvPullConfig = field(default_factory=KvPullConfig)
     caller: ReplicaCaller | None = None  # None outside Serve: hints are skipped
     metrics: KvPullMetrics | None = None
+    clock: Callable[[], float] = time.monotonic  # for the pull rate's age
 
     def __post_init__(self) -> None:
         self.stats = KvPullStats()
         self.pull_rate = Rate()
         self.prefill_rate = Rate()
         self.latencies: collections.deque[float] = collections.deque(maxlen=1000)
+        self.last_rate_sample_at: float | None = None
+        self.in_flight = 0  # pulls waiting for their holder: requests the engine has not seen yet
+        self.in_flight_tokens = 0  # their prompt tokens (all computed if the pull fails)
 
     # ---- the receiving side ---------------------------------------------------------------
     async def pull(self, source: KvSource, prompt: list[int], cache_salt: str | None) -> kv_transfer.KvBlocks | None:
@@ -201,6 +210,8 @@ class KvPuller:
             return self._outcome("skipped")
         self.stats.pulls += 1
         start = time.perf_counter()
+        self.in_flight += 1
+        self.in_flight_tokens += len(prompt)
         try:
             kv = await asyncio.wait_for(
                 self.caller.call(source.replica_id, "export_kv", hashes, prompt[: n * bs], first), self.config.timeout_s
@@ -212,11 +223,14 @@ class KvPuller:
             self.stats.last_error = f"{type(err).__name__}: {err}"[:300]
             log.info("pull from %s failed: %s", source.replica_id, self.stats.last_error)
             return self._outcome("failed")
+        finally:
+            self.in_flight -= 1
+            self.in_flight_tokens -= len(prompt)
         seconds = time.perf_counter() - start
         if kv is None or kv.num_blocks == 0:
             return self._outcome("empty")
         self.latencies.append(seconds)
-        self.pull_rate.add(kv.nbytes, seconds)
+        self.record_rate(kv.nbytes, seconds)
         self.stats.pulled_blocks += kv.num_blocks
         self.stats.pulled_bytes += kv.nbytes
         if self.metrics is not None:
@@ -288,7 +302,19 @@ class KvPuller:
         if computed >= 16 and m.first_token_time is not None:
             self.prefill_rate.add(computed, m.prefill_time)
 
+    def record_rate(self, nbytes: int, seconds: float) -> None:
+        """One pull's bytes over its latency into the moving average, dated for its expiry."""
+        self.pull_rate.add(nbytes, seconds)
+        self.last_rate_sample_at = self.clock()
+
+    def _expire_rate(self) -> None:
+        at = self.last_rate_sample_at
+        if at is not None and self.clock() - at > self.config.rate_ttl_s:
+            self.pull_rate = Rate(self.pull_rate.alpha)  # 0: not measured; the next pull starts afresh
+            self.last_rate_sample_at = None
+
     def snapshot(self) -> KvPullStats:
+        self._expire_rate()
         s = self.stats
         s.bytes_per_s = round(self.pull_rate.value, 1)
         s.prefill_tokens_per_s = round(self.prefill_rate.value, 1)
@@ -300,6 +326,7 @@ class KvPuller:
 
     def heartbeat(self) -> dict[str, int]:
         """The Heartbeat fields (router/protocol/redis_schema.py) this replica measures."""
+        self._expire_rate()
         return {"kv_pull_bytes_per_s": int(self.pull_rate.value), "prefill_tokens_per_s": int(self.prefill_rate.value)}
 
 

@@ -384,3 +384,81 @@ def test_export_cancelled_after_the_pin_ran_releases_the_pins(tiny_model_dirs):
         looped.shutdown()
     assert not any(refs), "blocks stay pinned after a cancelled export"
     assert engine.blocks.num_cached >= len(hashes)
+
+
+# ---- what the heartbeat says about pulls -------------------------------------------------------
+def test_pulls_in_flight_count_in_the_heartbeat_load(tiny_model_dirs):
+    """A request waiting for its holder is queued work: waiting +1 and its prompt pending, until
+    the pull ends (whatever its outcome)."""
+    import asyncio
+
+    from replica.async_engine import AsyncLLMEngine
+    from replica.kv_pull import KvPuller
+    from replica.pull_load import add_pull_load
+    from router.protocol.messages import KvSource
+
+    class GatedHolder:
+        def __init__(self) -> None:
+            self.asked = asyncio.Event()
+            self.answer = asyncio.Event()
+
+        async def call(self, replica_id, method, *args):
+            self.asked.set()
+            await self.answer.wait()
+            return None
+
+    looped = AsyncLLMEngine(_engine(tiny_model_dirs["llama"]))
+    prompt = _prompt(42, seed=14)
+
+    async def scenario() -> tuple[dict, dict]:
+        holder = GatedHolder()
+        puller = KvPuller(looped, "me", caller=holder)
+        pulling = asyncio.ensure_future(puller.pull(KvSource("other", 8), prompt, None))
+        await asyncio.wait_for(holder.asked.wait(), 10)
+        during = add_pull_load({"waiting": 2, "pending_prefill_tokens": 100}, puller)
+        holder.answer.set()
+        assert await pulling is None
+        return during, add_pull_load({"waiting": 2, "pending_prefill_tokens": 100}, puller)
+
+    try:
+        during, after = asyncio.run(scenario())
+    finally:
+        looped.shutdown()
+    assert (during["waiting"], during["pending_prefill_tokens"]) == (3, 100 + len(prompt))
+    assert (after["waiting"], after["pending_prefill_tokens"]) == (2, 100)
+
+
+def test_measured_pull_rate_expires_to_not_measured():
+    """One slow pull must not price pulls out for good: with no pull for rate_ttl_s the rate
+    reads 0 (the router's default applies), and the next pull is measured afresh."""
+    from replica.kv_pull import KvPullConfig, KvPuller
+
+    now = [1000.0]
+    puller = KvPuller(None, "me", KvPullConfig(rate_ttl_s=60.0), clock=lambda: now[0])  # type: ignore[arg-type]
+    assert puller.heartbeat()["kv_pull_bytes_per_s"] == 0
+    puller.record_rate(1_000_000, 10.0)  # a slow pull: 100 KB/s
+    now[0] += 59.0
+    assert puller.heartbeat()["kv_pull_bytes_per_s"] == 100_000
+    now[0] += 2.0
+    assert puller.heartbeat()["kv_pull_bytes_per_s"] == 0
+    assert puller.snapshot().bytes_per_s == 0
+    puller.record_rate(50_000_000, 0.01)  # fast again: only this pull counts
+    assert puller.heartbeat()["kv_pull_bytes_per_s"] == 5_000_000_000
+
+
+def test_every_pull_pricing_field_is_a_heartbeat_field():
+    """The publisher writes only HEARTBEAT_FIELDS: a misspelt key would silently leave the router
+    on its defaults. Covers the puller's measured rates, the sim engine's modelled ones and the
+    K/V size per token, as the replica's heartbeat assembles them."""
+    from replica.kv_pull import KvPuller
+    from replica.pull_load import add_pull_load
+    from replica.sim_engine import SimEngine
+    from router.protocol.redis_schema import HEARTBEAT_FIELDS
+
+    puller = KvPuller(None, "me")  # type: ignore[arg-type]
+    puller.record_rate(1_000, 1.0)
+    modelled = SimEngine().pull_rates()
+    written = add_pull_load({}, puller, kv_bytes_per_token=46_080, modelled_rates=modelled)
+    assert set(puller.heartbeat()) | set(modelled) | {"kv_bytes_per_token"} <= set(written)
+    assert set(written) <= set(HEARTBEAT_FIELDS), set(written) - set(HEARTBEAT_FIELDS)
+    assert "kv_bytes_per_token" in written and all(written[k] > 0 for k in modelled)
