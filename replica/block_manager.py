@@ -96,18 +96,22 @@ class BlockManager:
 
         With `token_ids`, a block whose stored tokens differ (a hash collision) ends the prefix.
         """
-        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
-        hit: list[int] = []
+        return self._leading_run(hashes[: max(num_tokens - 1, 0) // self.block_size], token_ids)
+
+    def _leading_run(self, hashes: list[int], token_ids: list[int] | None) -> list[int]:
+        """Block ids held here for hashes[0], hashes[1], ... up to the first one missing (or,
+        with `token_ids`, holding other tokens: a hash collision)."""
         bs = self.block_size
-        for i, h in enumerate(hashes[:limit]):
+        run: list[int] = []
+        for i, h in enumerate(hashes):
             block = self.hash_to_block.get(h)
             if block is None:
                 break
             stored = self.block_tokens[block]
             if token_ids is not None and stored is not None and tuple(token_ids[i * bs : (i + 1) * bs]) != stored:
                 break
-            hit.append(block)
-        return hit
+            run.append(block)
+        return run
 
     def _reserve(self, hit: list[int], num_tokens: int, max_compute: int | None) -> int:
         """Blocks a new sequence needs now: its hits plus room for its first chunk."""
@@ -212,16 +216,7 @@ class BlockManager:
         """Block ids of the leading run of `hashes` held here (cached or in use), each given a
         reference so eviction cannot reuse it while its K/V is read; `unpin` gives them back.
         With `token_ids` (the prompt), a block holding other tokens (a collision) ends the run."""
-        bs = self.block_size
-        run: list[int] = []
-        for i, h in enumerate(hashes):
-            block = self.hash_to_block.get(h)
-            if block is None:
-                break
-            stored = self.block_tokens[block]
-            if token_ids is not None and stored is not None and tuple(token_ids[i * bs : (i + 1) * bs]) != stored:
-                break
-            run.append(block)
+        run = self._leading_run(hashes, token_ids)
         for block in run:
             self._take(block)
         return run
