@@ -126,6 +126,13 @@ class RandomPolicy(Policy):
         v = self.rng.choice(replicas)
         return Decision(v.replica_id, "fallback", v.matched_blocks)
 
+    def rank(self, request, replicas):
+        """Fallbacks in random order too: ranked by cached blocks, a full replica's overflow
+        would follow the cache and the baseline would not be cache-blind."""
+        order = list(replicas)
+        self.rng.shuffle(order)
+        return order
+
 
 class LeastLoadedPolicy(Policy):
     """Minimum pending prefill work, then fewest requests: balances load, ignores the cache."""
@@ -137,6 +144,10 @@ class LeastLoadedPolicy(Policy):
         _require(replicas)
         v = self._argmin(replicas, lambda r: (r.pending_prefill_tokens, _queued(r)))
         return Decision(v.replica_id, "load", v.matched_blocks)
+
+    def rank(self, request, replicas):
+        """Fallbacks by load alone (cache-blind, like the choice)."""
+        return sorted(replicas, key=lambda r: (r.pending_prefill_tokens, _queued(r)))
 
 
 class PowerOfTwoPolicy(Policy):
@@ -152,6 +163,10 @@ class PowerOfTwoPolicy(Policy):
             a, b = self.rng.sample(replicas, 2)
             v = a if _queued(a) <= _queued(b) else b
         return Decision(v.replica_id, "load", v.matched_blocks)
+
+    def rank(self, request, replicas):
+        """Fallbacks by queue length alone (cache-blind, like the choice)."""
+        return sorted(replicas, key=_queued)
 
 
 class PrefixPolicy(Policy):

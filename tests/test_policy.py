@@ -247,3 +247,20 @@ def test_index_removed_and_clear():
     assert len(idx) == 0
     idx.stored("a", [1])
     assert idx.match([1], ["a"]) == {"a": 1}
+
+
+@pytest.mark.parametrize("name", ["random", "least-loaded", "pow2"])
+def test_cache_blind_baselines_rank_fallbacks_without_the_cache(name):
+    """When the chosen replica is full, Ray takes the next ranked one: a baseline that ranked by
+    cached blocks would follow the cache on overflow and stop being cache-blind."""
+    views = [ReplicaView(f"r{i}", matched_blocks=8 if i == 5 else 0, capacity_blocks=1000, free_blocks=1000)
+             for i in range(8)]
+    p = make_policy(name, seed=0)
+    firsts = {p.rank(request(8), views)[0].replica_id for _ in range(40)}
+    if name == "random":
+        assert len(firsts) > 1  # random order, not the holder first every time
+    else:
+        assert p.rank(request(8), views)[0].replica_id == "r0"  # equal loads: list order, not the cache
+    busy = [ReplicaView("a", matched_blocks=8, waiting=5), ReplicaView("b")]
+    if name != "random":
+        assert [v.replica_id for v in p.rank(request(8), busy)] == ["b", "a"]
