@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -109,3 +110,18 @@ def redis_url(request) -> str:
     """The index tests run against both: a standalone redis-server and a 3-master cluster."""
     server = request.getfixturevalue("redis_server" if request.param == "standalone" else "redis_cluster")
     return server.url
+
+
+@contextlib.contextmanager
+def side_app(stack, name: str, config):
+    """A second Serve app beside the session stack at /name, fresh (an app left by an earlier run
+    is deleted first) and deleted on exit; yields its base URL."""
+    from ray import serve
+
+    if name in serve.status().applications:
+        serve.delete(name)
+    url = stack.deploy(config, name=name, route_prefix=f"/{name}")
+    try:
+        yield url
+    finally:
+        serve.delete(name)

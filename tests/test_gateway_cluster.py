@@ -20,6 +20,7 @@ import pytest
 
 import tests.test_gateway_e2e as e2e
 from router.protocol.redis_schema import RedisKeys
+from tests.conftest import side_app
 
 APP = "e2e-cluster"
 
@@ -27,20 +28,14 @@ APP = "e2e-cluster"
 @pytest.fixture(scope="module")
 def cluster_gateway(stack, redis_cluster):
     """Gateway, router and 2 sim replicas on the cluster; `.url` and `.config` like `stack`."""
-    from ray import serve
 
     from gateway.config import AppConfig
 
     prefix = f"e2ecl-{uuid.uuid4().hex[:6]}"
     config = AppConfig(engine="sim", replicas=2, policy="affinity", redis_url=redis_cluster.url, key_prefix=prefix,
                        default_max_tokens=24, max_model_len=2048, redis_timeout_s=1.0)
-    if APP in serve.status().applications:
-        serve.delete(APP)
-    base = stack.deploy(config, name=APP, route_prefix=f"/{APP}")
-    try:
+    with side_app(stack, APP, config) as base:
         yield SimpleNamespace(url=base, config=config, cluster=redis_cluster, keys=RedisKeys(prefix))
-    finally:
-        serve.delete(APP)
 
 
 def _wait_published(gw, replica: str, timeout_s: float = 15.0) -> None:

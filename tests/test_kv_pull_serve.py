@@ -23,6 +23,7 @@ from replica.kv_pull import ReplicaCaller
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.messages import GenerateRequest, KvSource
 from router.protocol.redis_schema import RedisKeys
+from tests.conftest import side_app
 
 BLOCK = 16
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -222,7 +223,6 @@ def pull_app(stack, redis_server):
     import uuid
     from types import SimpleNamespace
 
-    from ray import serve
     from ray.serve._private.common import DeploymentID
 
     from gateway.config import AppConfig
@@ -230,15 +230,10 @@ def pull_app(stack, redis_server):
     prefix = f"pullm-{uuid.uuid4().hex[:6]}"
     config = AppConfig(replicas=2, policy="affinity-pull", redis_url=redis_server.url, key_prefix=prefix,
                        kv_cache_mb=128, max_model_len=2048, default_max_tokens=16, redis_timeout_s=1.0)
-    if PULL_APP in serve.status().applications:
-        serve.delete(PULL_APP)
-    base = stack.deploy(config, name=PULL_APP, route_prefix=f"/{PULL_APP}")
-    try:
+    with side_app(stack, PULL_APP, config) as base:
         yield SimpleNamespace(url=base, keys=RedisKeys(prefix),
                               redis=redis.Redis.from_url(redis_server.url, decode_responses=True),
                               caller=ReplicaCaller(DeploymentID(name="PrefixCacheReplica", app_name=PULL_APP)))
-    finally:
-        serve.delete(PULL_APP)
 
 
 def _complete(app, prompt: list[int], max_tokens: int):

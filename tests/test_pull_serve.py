@@ -21,6 +21,7 @@ import redis
 
 import tests.test_gateway_e2e as e2e
 from router.protocol.redis_schema import RedisKeys
+from tests.conftest import side_app
 
 APP = "pull-sim"
 BLOCK = 16
@@ -28,20 +29,14 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def pull_gateway(stack, redis_server):
-    from ray import serve
 
     from gateway.config import AppConfig
 
     prefix = f"pull-{uuid.uuid4().hex[:6]}"
     config = AppConfig(engine="sim", replicas=2, policy="affinity-pull", redis_url=redis_server.url, key_prefix=prefix,
                        default_max_tokens=16, max_model_len=2048, redis_timeout_s=1.0)
-    if APP in serve.status().applications:
-        serve.delete(APP)
-    base = stack.deploy(config, name=APP, route_prefix=f"/{APP}")
-    try:
+    with side_app(stack, APP, config) as base:
         yield SimpleNamespace(url=base, keys=RedisKeys(prefix), redis=redis.Redis.from_url(redis_server.url, decode_responses=True))
-    finally:
-        serve.delete(APP)
 
 
 def _until(cond, what: str, timeout_s: float = 20.0):
