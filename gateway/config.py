@@ -34,7 +34,7 @@ class AppConfig:
     default_max_tokens: int = 256
     max_body_bytes: int = 4 * 2**20
     api_keys: dict[str, str] = field(default_factory=dict)  # API key -> tenant (each its own cache salt)
-    redis_timeout_s: float = LOOKUP_TIMEOUT_S  # per routing lookup (50 ms); after a failure Redis is skipped for 1 s
+    redis_timeout_s: float = LOOKUP_TIMEOUT_S  # per routing lookup (50 ms); a lost connection or 3 timeouts in a row: Redis skipped for 1 s
     first_token_timeout_s: float = 300.0  # a request not routed/started by then gets a 504
     retry_attempts: int = 6  # replica calls per request when replicas fail (retry / stream migration)
     retry_budget_s: float = 90.0  # from a request's first replica failure: then 503 with Retry-After

@@ -33,6 +33,10 @@ class RedisConfig:
     key_prefix: str = "prefixgate"
     timeout_s: float = LOOKUP_TIMEOUT_S
     cooldown_s: float = 1.0
+    # consecutive timed-out calls before the cool-down: one late reply (a GC pause, a CPU-starved
+    # gateway) costs that one decision its index, not a second of them; a lost connection trips
+    # at once
+    timeouts_to_trip: int = 3
     session_ttl_s: int = 1800
     buckets: int = INDEX_BUCKETS  # hash tags the block index spreads over (cluster slots)
     sample: int = 4  # holders sampled where a match ends: bounds a lookup's cost on a hot prefix
@@ -116,6 +120,7 @@ class RedisIndex:
         self._connecting: asyncio.Lock | None = None
         self._down_until = 0.0
         self.failures = 0
+        self._timeouts_in_a_row = 0
         self.lookups = 0  # Redis lookups issued (the saturation test counts them)
         # block hash -> its (block, in-flight) key names, encoded: a lookup passes 2 keys per
         # block, and hot prefixes (system prompts, a conversation's earlier turns) recur, so
@@ -142,18 +147,24 @@ class RedisIndex:
             coro.close()
             raise IndexUnavailable("redis cooling down after a failure")
         try:
-            return await asyncio.wait_for(coro, timeout_s or self.config.timeout_s)
+            result = await asyncio.wait_for(coro, timeout_s or self.config.timeout_s)
         except (TimeoutError, OSError, RuntimeError, aioredis.RedisError) as e:
             # RuntimeError: uvloop's "unable to perform operation on <TCPTransport closed=True>"
             # when the connection died under a call; it must not escape into Ray's routing loop
             self.failures += 1
-            self._down_until = time.monotonic() + self.config.cooldown_s
+            timed_out = isinstance(e, (TimeoutError, aioredis.TimeoutError))
+            self._timeouts_in_a_row = self._timeouts_in_a_row + 1 if timed_out else 0
+            if not timed_out or self._timeouts_in_a_row >= self.config.timeouts_to_trip:
+                self._down_until = time.monotonic() + self.config.cooldown_s
+                self._timeouts_in_a_row = 0
             # a lost connection: reconnect (and re-detect the topology) next time. Not on a
             # timeout (TimeoutError is an OSError too): Redis is slow, not gone, and the load
             # table keeps refreshing through this client while lookups cool down
             if isinstance(e, (OSError, RuntimeError, aioredis.ConnectionError)) and not isinstance(e, TimeoutError):
                 self._drop_client()
             raise IndexUnavailable(f"redis unavailable: {e!r}") from e
+        self._timeouts_in_a_row = 0
+        return result
 
     def _drop_client(self) -> None:
         client, self._client = self._client, None

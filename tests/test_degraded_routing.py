@@ -152,7 +152,7 @@ def test_a_timed_out_lookup_keeps_the_load_table(redis_server):
         sync.hset(keys.heartbeat(rid), mapping={f: load.get(f, 0) for f in HEARTBEAT_FIELDS})
 
     async def scenario():
-        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.05, cooldown_s=30.0))
+        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.05, cooldown_s=30.0, timeouts_to_trip=1))
         table = LoadTable(index, refresh_s=60.0, seed=0)
         decider = Decider(make_policy("affinity", seed=0), table, InflightPrefixes(3.0, keep_s=30.0))
         table._watched = ["r0", "r1"]  # what watch() sets, without its background refresh

@@ -323,3 +323,34 @@ def test_a_connection_dying_under_a_call_is_an_index_failure_not_a_crash(redis_u
         await index.close()
 
     asyncio.run(main())
+
+
+def test_one_late_reply_costs_one_lookup_and_late_replies_in_a_row_trip_the_cool_down(redis_server, prefix):
+    """A single timed-out lookup (a GC pause, a CPU-starved gateway) loses only that decision's
+    index; `timeouts_to_trip` timeouts in a row mean Redis is really slow: skip it for the
+    cool-down instead of making every request pay the timeout."""
+
+    async def main():
+        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.05, cooldown_s=30.0, timeouts_to_trip=3))
+        sync = redis.Redis.from_url(redis_server.url)
+        hashes = block_hashes(list(range(64)), BS, 0)
+        try:
+            await index.lookup(hashes)  # connected, script loaded
+            sync.client_pause(300)  # every other client's commands wait 0.3 s from now
+            with pytest.raises(IndexUnavailable):
+                await index.lookup(hashes)
+            await asyncio.to_thread(sync.ping)  # answered once the pause is over
+            await index.lookup(hashes)  # one late reply did not trip the cool-down
+            sync.client_pause(2000)
+            for _ in range(3):
+                with pytest.raises(IndexUnavailable, match="Timeout"):
+                    await index.lookup(hashes)
+            await asyncio.to_thread(sync.ping)
+            with pytest.raises(IndexUnavailable, match="cooling down"):
+                await index.lookup(hashes)  # Redis answers again, but the breaker is open
+            assert index.failures == 4
+        finally:
+            sync.close()
+            await index.close()
+
+    asyncio.run(main())
