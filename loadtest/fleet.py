@@ -22,6 +22,7 @@ from pathlib import Path
 
 from loadtest.fleet_report import FleetResult, RunSettings, live_result, sim_result
 from loadtest.trace_replay import ReplaySettings, replay
+from router.protocol.redis_schema import LOOKUP_TIMEOUT_S
 from router.sim.cli import BASE_REPLICAS, capacity_blocks, make_transfer
 from router.sim.service import ServiceModel
 from router.sim.trace import load_rows, scale_rows, scale_service, scale_transfer, split_fitting
@@ -144,8 +145,16 @@ def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key
         max_model_len=spec.max_model_len, max_num_seqs=service.max_running,
         max_num_batched_tokens=service.chunk_tokens, seed=spec.seed, gateways=spec.gateways,
         default_max_tokens=spec.max_output, max_ongoing_requests=service.max_running,
-        max_queued_requests=100_000,
+        max_queued_requests=100_000, redis_timeout_s=lookup_budget_s(spec.wall_scale),
     )
+
+
+def lookup_budget_s(wall_scale: float) -> float:
+    """The router's Redis lookup budget in wall seconds: the production 50 ms of model time, so
+    stretched with the model when it runs slower than real time (a run at time scale 0.5 gives
+    a lookup 100 ms, as it gives a prefill twice its modelled time); never shortened below 50 ms
+    when the model runs faster, since the router's own CPU time does not shrink with it."""
+    return LOOKUP_TIMEOUT_S / min(wall_scale, 1.0)
 
 
 def live_run(url: str, spec: FleetSpec, s: RunSettings, policy: str, requests: list[SimRequest],
