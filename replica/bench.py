@@ -253,6 +253,12 @@ class ThroughputResult:
     ours_tok_s_rounds: list[float] = field(default_factory=list)  # with --rounds N > 1
     generate_batch_tok_s_rounds: list[float] = field(default_factory=list)
     ratio_rounds: list[float] = field(default_factory=list)
+    weights_step_s: float | None = None  # every linear layer once at `requests` rows (the weight reads)
+
+    @property
+    def weights_floor_s(self) -> float | None:
+        """A lower bound on our run's time: each step reads every weight at least once."""
+        return self.weights_step_s * self.ours_steps if self.weights_step_s is not None else None
 
     @property
     def ratio_generate_batch(self) -> float | None:
@@ -272,10 +278,31 @@ def _exact(outs: list[list[int]], n: int, who: str) -> None:
         raise RuntimeError(f"{who} produced {sorted(lengths)} tokens per request, expected {n}")
 
 
+@torch.inference_mode()
+def weights_step_s(engine: LLMEngine, rows: int, repeats: int = 9) -> float:
+    """Median time of every nn.Linear of the model (lm_head included) on `rows` random rows: what
+    a decode step of that many sequences spends only reading and multiplying the weights, the
+    floor no attention or scheduling work can get under (the weights are bandwidth bound at
+    small batches, for transformers' generate_batch as for us)."""
+    runner = engine.runner
+    linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(rows, m.in_features, dtype=runner.dtype, device=runner.device) for m in linears]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for m, x in zip(linears, inputs, strict=True):
+            m(x)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def scenario_throughput(engine: LLMEngine, args: argparse.Namespace) -> ThroughputResult:
     """Scenario 2: the same prompts through our engine and the two transformers paths."""
     prompts = batch_prompts(engine, args.requests, args.system_tokens)
     res, ours = run_ours(engine, prompts, args.new_tokens)
+    res.weights_step_s = weights_step_s(engine, len(prompts))
     if args.skip_baselines and args.check == 0:
         return res
     model = load_reference(engine.model_path, engine.runner.dtype)
@@ -396,6 +423,12 @@ def print_throughput(r: ThroughputResult, args: argparse.Namespace) -> None:
         if r.ratio_rounds:
             say(f"  {len(r.ratio_rounds)} interleaved rounds: ours {_fmt(r.ours_tok_s_rounds)} tok/s, generate_batch "
                 f"{_fmt(r.generate_batch_tok_s_rounds)} tok/s, ratios {_fmt(r.ratio_rounds, 2)} (median shown above)")
+    if r.weights_floor_s is not None:
+        best = r.requests * r.new_tokens / r.weights_floor_s
+        say(f"  weights floor: every linear layer once at {r.requests} rows takes {r.weights_step_s * 1e3:.1f} ms; "
+            f"x {r.ours_steps} steps = {r.weights_floor_s:.1f} s ({r.weights_floor_s / r.ours_s:.0%} of ours): "
+            f"at most {best:.0f} tok/s" + (f", x{r.generate_batch_s / r.weights_floor_s:.2f} generate_batch"
+                                          if r.generate_batch_s else ""))
     say(f"  ours is {r.ours_tok_s / args.cpu_limit:.0%} of this CPU's limit (~{args.cpu_limit:.0f} tok/s for "
         f"SmolLM2-135M fp32, ENVIRONMENT.md)")
     if r.checked:
@@ -416,6 +449,7 @@ def to_json(seed: SeedResult, tp: ThroughputResult, args: argparse.Namespace, en
             **asdict(tp),
             "ratio_generate_batch": tp.ratio_generate_batch,
             "ratio_sequential": tp.ratio_sequential,
+            "weights_floor_s": tp.weights_floor_s,
         },
     }
 

@@ -37,3 +37,8 @@ def test_bench_engine_figures_are_consistent(tiny_model_dirs, tmp_path, capsys):
         assert abs(tp[f"{who}_tok_s"] * tp[f"{who}_s"] - 4 * 4) < 1e-6
     assert abs(tp["ratio_generate_batch"] - tp["ours_tok_s"] / tp["generate_batch_tok_s"]) < 1e-9
     assert "ours / generate_batch" in printed and "4/4 matched" in printed
+    # the weights floor: every step reads every weight, so it is a lower bound on our own time
+    assert tp["weights_step_s"] > 0
+    assert abs(tp["weights_floor_s"] - tp["weights_step_s"] * tp["ours_steps"]) < 1e-9
+    assert tp["weights_floor_s"] < tp["ours_s"]
+    assert "weights floor" in printed

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from loadtest.fleet import FleetSpec, histogram_quantile, settings_for, workload, worst_step_lag
+from loadtest.fleet import FleetSpec, app_config, histogram_quantile, settings_for, workload, worst_step_lag
 from loadtest.fleet_report import RunSettings, format_side_by_side, live_result, oracles, sim_result
 from router.protocol.hashing import block_hashes, chain_seed
 from router.sim.cli import default_trace
@@ -69,6 +69,19 @@ def test_service_model_keeps_per_block_cost_at_any_block_size():
     assert small.decode_s(8, 10) == base.decode_s(8, 10)  # one token per step at any block size
     faster = scale_service(base, 16, time_scale=4.0)
     assert faster.prefill_s(24 * 16, 10) == pytest.approx(small.prefill_s(24 * 16, 10) / 4)
+
+
+def test_router_lookup_budget_is_model_time_when_the_run_is_slowed():
+    """At time scale 0.5 the modelled system runs at half speed: the router's 50 ms lookup budget
+    becomes 100 ms of wall time, as a prefill's modelled time doubles; a faster-than-real run
+    keeps the production 50 ms (the router's CPU time does not shrink with the model)."""
+    def budget(wall_scale: float) -> float:
+        spec = FleetSpec(trace="unused", wall_scale=wall_scale)
+        s = RunSettings(replicas=8, capacity_blocks=100, block_size=16, load_scale=1.0, wall_scale=wall_scale)
+        return app_config(spec, s, "affinity", "redis://127.0.0.1:1/0", "k").redis_timeout_s
+
+    assert budget(0.5) == pytest.approx(0.1) and budget(0.25) == pytest.approx(0.2)
+    assert budget(1.0) == budget(2.0) == pytest.approx(0.05)
 
 
 def test_live_figures_by_hand():
