@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from loadtest.fleet import FleetSpec, app_config, histogram_quantile, settings_for, workload, worst_step_lag
+from loadtest.fleet import (
+    FleetSpec,
+    app_config,
+    histogram_quantile,
+    settings_for,
+    workload,
+    worst_step_lag,
+)
 from loadtest.fleet_report import RunSettings, format_side_by_side, live_result, oracles, sim_result
 from router.protocol.hashing import block_hashes, chain_seed
 from router.sim.cli import default_trace
