@@ -73,12 +73,16 @@ class TestGatewayOnRedisCluster:
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
 
     def test_streaming_usage_reports_cached_tokens(self, cluster_gateway):
-        messages = [{"role": "user", "content": f"Stream {uuid.uuid4().hex[:6]}: " + "list the planets in order. " * 6}]
+        # long enough that its cache outweighs a load figure still counting the first run, and one
+        # session: the point here is the usage the stream reports, not a close routing call
+        tag = uuid.uuid4().hex[:6]
+        messages = [{"role": "user", "content": f"Stream {tag}: " + "list the planets in order. " * 24}]
         body = {"model": e2e.MODEL, "messages": messages, "max_tokens": 8, "stream": True,
                 "stream_options": {"include_usage": True}}
         usages = []
         for _ in range(2):
-            with httpx.stream("POST", f"{cluster_gateway.url}/v1/chat/completions", json=body, timeout=60) as r:
+            with httpx.stream("POST", f"{cluster_gateway.url}/v1/chat/completions", json=body,
+                              headers={"x-session-id": f"stream-{tag}"}, timeout=60) as r:
                 assert r.status_code == 200
                 lines = [line for line in r.iter_lines() if line]
             assert lines[-1] == "data: [DONE]"
