@@ -160,7 +160,7 @@ class RedisIndex:
             # a lost connection: reconnect (and re-detect the topology) next time. Not on a
             # timeout (TimeoutError is an OSError too): Redis is slow, not gone, and the load
             # table keeps refreshing through this client while lookups cool down
-            if isinstance(e, (OSError, RuntimeError, aioredis.ConnectionError)) and not isinstance(e, TimeoutError):
+            if not timed_out and isinstance(e, (OSError, RuntimeError, aioredis.ConnectionError)):
                 self._drop_client()
             raise IndexUnavailable(f"redis unavailable: {e!r}") from e
         self._timeouts_in_a_row = 0
