@@ -137,16 +137,18 @@ def live_result(policy: str, requests: list[SimRequest], records: list[dict], s:
 
 
 def sim_result(policy: str, requests: list[SimRequest], s: RunSettings,
-               service: ServiceModel | None = None) -> FleetResult:
+               service: ServiceModel | None = None, options: dict[str, float] | None = None) -> FleetResult:
     """The simulator on the same rows: same block size, capacity, load scale and service model
-    (the trace's, converted to the block size), exact and instantaneous router state."""
+    (the trace's, converted to the block size), exact and instantaneous router state.
+    `options`: the policy's constructor arguments (e.g. affinity's miss_weight), for sweeps."""
     service = service or ServiceModel()
     transfer = scale_transfer(make_transfer(service, {}), s.block_size)
     config = SimConfig(replicas=s.replicas, capacity_blocks=s.capacity_blocks, block_size=s.block_size,
                        service=scale_service(service, s.block_size),
                        time_scale=s.load_scale, window_s=s.window_s, transfer=transfer)
     name = SIM_POLICY.get(policy, policy)
-    r = run_policy(requests, make_policy(name, seed=s.seed, **({"transfer": transfer} if name == "affinity-pull" else {})), config)
+    extra = {"transfer": transfer} if name == "affinity-pull" else {}
+    r = run_policy(requests, make_policy(name, seed=s.seed, **extra, **(options or {})), config)
     pooled, unbounded = oracles(requests, s)
     return FleetResult(
         source="sim", policy=policy, replicas=s.replicas, requests=r.requests, errors=r.rejected,
