@@ -1,5 +1,7 @@
 # The two commands of the README. Both install what they need first (scripts/bootstrap.sh).
 PY := .venv/bin/python
+# The suite runs in its written order; scripts/stress_suite.sh --shuffle runs it shuffled (pytest-randomly).
+PYTEST_ARGS ?= -p no:randomly
 
 .PHONY: install run test lint bench sim
 

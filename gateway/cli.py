@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
+import time
 
+from gateway import shutdown
 from gateway.config import AppConfig
 from gateway.fleet_args import add_fleet_args, fleet_fields
 
@@ -67,21 +67,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from replica.default_model import resolve_model
     from router.redis_index import redact
 
+    shutdown.install()  # SIGTERM/SIGINT from here on, start-up included, end in stack.stop() and exit 0
+    shutdown.become_subreaper()  # and what the stack starts cannot outlive it unseen
     config = config_from_args(args)
     if args.ray_address and config.redis_url == "auto":
         print("[prefixgate] --ray-address needs --redis-url (or REDIS_URL): replicas on other nodes "
               "cannot reach a Redis started on 127.0.0.1 here", file=sys.stderr)
         return 2
-    resolve_model(config.model)  # convert the bundled model once, before replicas start
-    print(f"[prefixgate] starting: {config.replicas} {config.engine} replicas, {config.gateways} gateway(s), "
-          f"policy {config.policy}, port {args.port}", flush=True)
-    if args.ray_address and args.metrics_port:
-        print("[prefixgate] --metrics-port is ignored with --ray-address: each node exports at the port "
-              "its `ray start --metrics-export-port` gave", file=sys.stderr)
     stack = LocalStack(config, port=args.port, host=args.host, ray_address=args.ray_address, metrics_port=args.metrics_port)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        resolve_model(config.model)  # convert the bundled model once, before replicas start
+        print(f"[prefixgate] starting: {config.replicas} {config.engine} replicas, {config.gateways} gateway(s), "
+              f"policy {config.policy}, port {args.port}", flush=True)
+        if args.ray_address and args.metrics_port:
+            print("[prefixgate] --metrics-port is ignored with --ray-address: each node exports at the port "
+                  "its `ray start --metrics-export-port` gave", file=sys.stderr)
         try:
             stack.start()
         except StackNotReady as e:  # say which deployment or dependency is not ready, and why
@@ -103,13 +103,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("[prefixgate] serving until Ctrl-C", flush=True)
         if args.exit_after_demo:
             return 0
-        while not stop.wait(1.0):
-            pass
-    except KeyboardInterrupt:
-        pass
+        while True:  # until a signal raises ShutdownRequested here
+            time.sleep(3600)
+    except (shutdown.ShutdownRequested, KeyboardInterrupt) as e:
+        print(f"[prefixgate] {e or 'interrupted'}: shutting down", flush=True)
     finally:
-        print("[prefixgate] shutting down", flush=True)
         stack.stop()
+        print("[prefixgate] stopped", flush=True)
     return 0
 
 

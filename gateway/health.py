@@ -1,7 +1,8 @@
 """Health that tells the present: liveness, readiness with named causes, and why a stack that
 never became ready is not ready.
 
-Readiness is computed from fresh state on every probe: a failed Redis ping drops the pooled
+Readiness is computed from fresh state on every probe (states and what a load balancer should
+probe: docs/reliability.md, "Health"): a failed Redis ping drops the pooled
 connection and tries once more on a new one (a probe right after a Redis restart reconnects
 instead of failing on the stale socket); a replica must answer `info`; and Serve's own view
 (application and deployment status, their messages) names what is missing.
@@ -72,18 +73,22 @@ def _status(value) -> str:
 
 
 async def readiness(gw, app_name: str | None = None) -> tuple[bool, dict]:
-    """(ready, body) for /health: every problem named, each dependency's state reported."""
+    """(ready, body) for /health. Ready means this gateway can serve: a replica answers. The
+    cache index is a routing input, not a serving dependency: with Redis away every gateway
+    still serves (its router decides from what it knows itself, `stale` decisions), so the
+    probe stays 200 and says `degraded` with `routing: local`, instead of a fleet-wide 503
+    that would take every gateway out of a load balancer at once (docs/reliability.md)."""
     checks: dict[str, str] = {}
-    problems: list[str] = []
+    causes: list[str] = []
     if gw.config.redis_url:
         redis_problem = await check_redis(gw)
         checks["redis"] = "ok" if redis_problem is None else "unreachable"
         if redis_problem:
-            problems.append(redis_problem)
+            causes.append(redis_problem)
     replica_problem = await check_replicas(gw)
     checks["replicas"] = "ok" if replica_problem is None else "unavailable"
     if replica_problem:
-        problems.append(replica_problem)
+        causes.append(replica_problem)
     try:
         serve_view = await asyncio.wait_for(asyncio.to_thread(serve_problems, app_name), 5.0)
     except Exception as e:  # the controller is busy or away: say so, do not fail on it alone
@@ -91,7 +96,8 @@ async def readiness(gw, app_name: str | None = None) -> tuple[bool, dict]:
         checks["serve"] = f"unknown ({type(e).__name__})"
     else:
         checks["serve"] = "ok" if not serve_view else "degraded"
-    problems += serve_view
-    # a degraded deployment with a replica that still answers is ready (it serves traffic)
-    ready = not any(checks[k] != "ok" for k in ("redis", "replicas") if k in checks)
-    return ready, {"status": "ok" if ready else "unavailable", "checks": checks, "problems": problems}
+    causes += serve_view
+    ready = checks["replicas"] == "ok"  # a degraded deployment whose replica still answers serves
+    status = "unavailable" if not ready else ("ok" if all(v == "ok" for v in checks.values()) else "degraded")
+    routing = "index" if checks.get("redis", "ok") == "ok" else "local"
+    return ready, {"status": status, "routing": routing, "checks": checks, "causes": causes}

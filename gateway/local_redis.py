@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -21,11 +19,13 @@ def free_port() -> int:
 
 
 class LocalRedis:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
+        self.extra_args = extra_args  # e.g. a cluster node's flags (gateway/local_redis_cluster.py)
         self.dir = Path(tempfile.mkdtemp(prefix="prefixgate-redis-"))
         self.pidfile = self.dir / "redis.pid"
         self.pid: int | None = None
+        self._proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -35,42 +35,44 @@ class LocalRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
-        subprocess.run(
+        # A child of ours (its pid known the moment it exists, so a stop at any point finds it),
+        # in a session of its own (a terminal's Ctrl-C reaches us, and we stop it in order).
+        self._proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--daemonize", "yes", "--pidfile", str(self.pidfile), "--dir", str(self.dir),
-             "--logfile", str(self.dir / "redis.log")],
-            check=True,
+             "--daemonize", "no", "--pidfile", str(self.pidfile), "--dir", str(self.dir),
+             "--logfile", str(self.dir / "redis.log"), *self.extra_args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
+        self.pid = self._proc.pid
         client = redis.Redis(port=self.port, socket_timeout=0.5)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if client.ping() and self.pidfile.exists():
-                    self.pid = int(self.pidfile.read_text().strip())
-                    return self
-            except (redis.ConnectionError, redis.TimeoutError, ValueError):
-                pass
-            time.sleep(0.05)
+        try:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self._proc.returncode} on port {self.port} "
+                                       f"(log: {self.dir / 'redis.log'})")
+                try:
+                    if client.ping():
+                        return self
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass
+                time.sleep(0.05)
+        finally:
+            client.close()
+        self.stop()
         raise TimeoutError(f"redis-server did not start on port {self.port}")
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.pid is None:
+        """SIGTERM, then SIGKILL after timeout_s; returns once the process is gone (reaped)."""
+        proc, self._proc, self.pid = self._proc, None, None
+        if proc is None or proc.poll() is not None:
             return
+        proc.terminate()
         try:
-            os.kill(self.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            self.pid = None
-            return
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(self.pid, signal.SIGKILL)
-        self.pid = None
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     def restart(self) -> None:
         self.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import shutil
 import socket
 import subprocess
 import time
@@ -31,37 +30,23 @@ def _cluster_port() -> int:
 
 class LocalRedisCluster:
     def __init__(self, masters: int = 3) -> None:
-        self.nodes = [LocalRedis(_cluster_port()) for _ in range(masters)]
+        self.nodes = []
+        while len(self.nodes) < masters:
+            port = _cluster_port()
+            if any(n.port == port for n in self.nodes):
+                continue
+            node = LocalRedis(port)
+            node.extra_args = ("--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"))
+            self.nodes.append(node)
 
     @property
     def url(self) -> str:
         return self.nodes[0].url  # any node's URL names the whole cluster
 
     def start(self, timeout_s: float = 30.0) -> LocalRedisCluster:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
-        for node in self.nodes:
-            subprocess.run(
-                [binary, "--port", str(node.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
-                 "--daemonize", "yes", "--pidfile", str(node.pidfile), "--dir", str(node.dir),
-                 "--logfile", str(node.dir / "redis.log")],
-                check=True,
-            )
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
-            client = redis.Redis(port=node.port, socket_timeout=0.5)
-            while True:
-                try:
-                    if client.ping() and node.pidfile.exists():
-                        node.pid = int(node.pidfile.read_text().strip())
-                        break
-                except (redis.ConnectionError, redis.TimeoutError, ValueError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"cluster node on port {node.port} did not start")
-                time.sleep(0.05)
+            node.start(timeout_s)
         subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
              "--cluster-replicas", "0", "--cluster-yes"],

@@ -248,7 +248,8 @@ class Gateway:
     @app.get("/health")
     @app.get("/health/ready")
     async def health(self):
-        """Readiness from fresh state: 503 naming each missing dependency (gateway/health.py)."""
+        """Readiness from fresh state: 200 while a replica answers (`degraded` with named causes when
+        Redis is away), 503 only when this gateway cannot serve (gateway/health.py)."""
         ready, body = await readiness(self, _app_name())
         return JSONResponse(body, status_code=200 if ready else 503)
 

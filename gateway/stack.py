@@ -7,10 +7,13 @@ import os
 import time
 
 import httpx
+import psutil
 
 from gateway.config import AppConfig
+from gateway.health import serve_problems
 from gateway.local_redis import LocalRedis
 from gateway.loopback import is_loopback, loopback_ray
+from gateway.shutdown import keep_handlers
 from gateway.startup import StackNotReady, not_ready_report
 
 log = logging.getLogger("prefixgate.stack")
@@ -36,16 +39,21 @@ class LocalStack:
 
 
         if self.config.redis_url in (None, "", "auto"):
-            self.redis = LocalRedis().start()
+            self.redis = LocalRedis()  # kept before it starts: a stop during start-up stops it too
+            self.redis.start()
             self.config.redis_url = self.redis.url
         if not ray.is_initialized():
-            if self.ray_address:
-                ray.init(address=self.ray_address, log_to_driver=False)
-            else:
-                extra = {"_metrics_export_port": self.metrics_port} if self.metrics_port else {}
-                # A loopback --host keeps Ray's node on 127.0.0.1 too (docs/deploy.md, "What listens where").
-                with loopback_ray(is_loopback(self.host)):
-                    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False, **extra)
+            with keep_handlers():  # ray.init installs its own SIGTERM handler (gateway/shutdown.py)
+                if self.ray_address:
+                    ray.init(address=self.ray_address, log_to_driver=False)
+                else:
+                    extra = {"_metrics_export_port": self.metrics_port} if self.metrics_port else {}
+                    # A loopback --host keeps Ray's node on 127.0.0.1 too (docs/deploy.md, "What listens
+                    # where"). address="local": always a node of our own, never one a stale
+                    # /tmp/ray/ray_current_cluster (left by some `ray start`) points at.
+                    with loopback_ray(is_loopback(self.host)):
+                        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                                 log_to_driver=False, **extra)
         serve.start(http_options={"host": self.host, "port": self.port})
         self.deploy(self.config, timeout_s)
         return self
@@ -81,23 +89,68 @@ class LocalStack:
                 r = httpx.get(f"{base}/v1/models", timeout=5, headers=headers)
                 if r.status_code == 200:
                     r = httpx.get(f"{base}/health", timeout=10)
-                    if r.status_code == 200:
+                    # ready: a replica answers, and Serve has every replica of every deployment
+                    # up (one gateway of several answering is not the whole app)
+                    if r.status_code == 200 and not (problems := serve_problems(name)):
                         return
-                last = r.text
+                    last = f"{r.text}; Serve: {'; '.join(problems)}" if r.status_code == 200 else r.text
+                else:
+                    last = r.text
             except httpx.HTTPError as e:
                 last = repr(e)
             time.sleep(1.0)
         raise StackNotReady(not_ready_report(timeout_s, last, config, name))
 
     def stop(self) -> None:
+        """Stop whatever start() got to: Serve's apps, Ray (the local node's processes with
+        it), the local Redis. Safe at any point of start-up and more than once."""
         import ray
         from ray import serve
 
         try:
-            serve.shutdown()
-        finally:
             if ray.is_initialized():
-                ray.shutdown()
-            if self.redis is not None:
-                self.redis.cleanup()
+                serve.shutdown()
+        finally:
+            try:
+                own = node_processes() if not self.ray_address else []
+                ray.shutdown()  # also after a start-up stopped inside ray.init
+                reap(own)
+            finally:
+                if self.redis is not None:
+                    self.redis.cleanup()
+
+
+def node_processes() -> list[psutil.Process]:
+    """Ray's processes among this process's descendants: the node this driver started (GCS,
+    raylet, and what they start: agents, workers, replicas), found by what they run (Ray's own
+    binaries or a `ray::` title), so a stop during ray.init, before Ray holds a handle on its
+    node, finds them too."""
+    import ray
+
+    ray_dir = os.path.dirname(ray.__file__)
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if cmd and (cmd[0].startswith("ray::") or any(part.startswith(ray_dir) for part in cmd)):
+            out.append(p)
+    return out
+
+
+def reap(procs: list[psutil.Process], grace_s: float = 5.0) -> None:
+    """After ray.shutdown(): the node's agents notice their raylet is gone only on their own
+    check (seen here: DashboardAgent and RuntimeEnvAgent still running a minute later on a
+    loaded machine). Give each process grace_s to exit, then SIGTERM, then SIGKILL."""
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for sig in ("terminate", "kill"):
+        for p in alive:
+            try:
+                getattr(p, sig)()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=5.0)
+    if alive:
+        log.warning("Ray processes still running after SIGKILL: %s", [p.pid for p in alive])
 

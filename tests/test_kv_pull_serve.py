@@ -140,22 +140,31 @@ def test_pull_metrics_reach_the_ray_scrape(stack, caller):
     """prefixgate_kv_pull_* through Ray's metrics: pulls by outcome, bytes and latency per pull."""
     from tests.test_metrics import scrape, total
 
-    ok = sum(_stats(caller, rid)["ok"] for rid in _pair(stack))
-    assert ok >= 1, "the test above pulled"
+    a, b = _pair(stack)
+    prompt = _prompt(20 * BLOCK + 5)  # one pull of its own (the suite may run in any order)
+    _generate(caller, a, _request(prompt))
+    assert _generate(caller, b, _request(prompt, KvSource(a, 20)))[1]["cached_tokens"] == 20 * BLOCK
+    ok = sum(_stats(caller, rid)["ok"] for rid in (a, b))
+    assert ok >= 1
+
+    pulled_bytes = ok * 20 * 30 * 2 * 3 * 64 * 4 * BLOCK  # 20 blocks x 30 layers x K,V x 3 heads x 64 x fp32
 
     def exported():
+        """Every figure asserted below, each exported by its own replica on its own clock (the
+        holder's export counter lags the puller's pull counter): wait for all of them."""
         s = scrape(stack.metrics_port)
-        if total(s, "ray_prefixgate_kv_pulls_total", outcome="ok") < ok:
+        if not (total(s, "ray_prefixgate_kv_pulls_total", outcome="ok") >= ok
+                and total(s, "ray_prefixgate_kv_pull_latency_seconds_count") >= ok
+                and total(s, "ray_prefixgate_kv_pull_bytes_sum") >= pulled_bytes
+                and total(s, "ray_prefixgate_kv_pull_blocks_total") >= ok * 20
+                and total(s, "ray_prefixgate_kv_export_bytes_total") >= pulled_bytes
+                and any(labels.get("outcome") == "timeout"  # exported at 0 before any timeout
+                        for labels, _ in s.get("ray_prefixgate_kv_pulls_total", []))):
             return None
         return s
 
-    s = _wait(exported, "the pull metrics in the scrape (Ray exports about every 10 s)", 90)
-    assert total(s, "ray_prefixgate_kv_pull_latency_seconds_count") >= ok
-    assert total(s, "ray_prefixgate_kv_pull_bytes_sum") >= ok * 20 * 30 * 2 * 3 * 64 * 4 * BLOCK
-    assert total(s, "ray_prefixgate_kv_pull_blocks_total") >= ok * 20
-    assert total(s, "ray_prefixgate_kv_export_bytes_total") >= ok * 20 * 30 * 2 * 3 * 64 * 4 * BLOCK
-    assert "ray_prefixgate_kv_pulls_total" in s and any(
-        labels.get("outcome") == "timeout" for labels, _ in s["ray_prefixgate_kv_pulls_total"])  # exported at 0
+    # the deadline only guards against a hang: the condition is every figure above
+    assert _wait(exported, "the pull and export metrics in the scrape (Ray exports about every 10 s)", 120)
 
 
 def test_pull_that_cannot_succeed_recomputes(stack, caller):

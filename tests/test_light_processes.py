@@ -116,7 +116,7 @@ def test_no_process_loads_torch(fleet):
     _, app = fleet
     replicas = serve_replica_pids(app, "PrefixCacheReplica")
     gateways = serve_replica_pids(app, "Gateway")
-    assert len(replicas) == REPLICAS and len(gateways) == GATEWAYS
+    assert len(replicas) == REPLICAS and len(gateways) == GATEWAYS, (replicas, gateways)
     for pid in replicas + gateways:
         assert not proc_memory(pid).torch_loaded, proc_memory(pid)
     handle = serve.get_deployment_handle("PrefixCacheReplica", app)

@@ -1,0 +1,77 @@
+"""Stopping like a service: SIGTERM (systemd, Docker, Kubernetes) and SIGINT (Ctrl-C), at any
+moment after start, unwind to the stack's own stop instead of killing the process.
+
+The handler raises `ShutdownRequested` in the main thread, which interrupts whatever start-up
+or serving step is running there; the caller's `finally` then stops what was started. Later
+signals are ignored while that stop runs (it is bounded), so a second Ctrl-C does not leave a
+half-stopped stack. `ray.init` installs a SIGTERM handler of its own (`sys.exit(15)` from
+wherever the driver is, which has aborted the process inside Ray's C++ core);
+`keep_handlers` puts ours back around such calls.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class ShutdownRequested(BaseException):  # noqa: N818 (a request, not an error; BaseException so `except Exception` does not swallow it)
+    """SIGTERM or SIGINT arrived: unwind and stop the stack."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_shutdown(signum: int, _frame) -> None:
+    for s in SIGNALS:  # the stop that follows is bounded: do not interrupt it
+        signal.signal(s, _ignore_during_stop)
+    raise ShutdownRequested(signum)
+
+
+def _ignore_during_stop(signum: int, _frame) -> None:
+    print(f"[prefixgate] {signal.Signals(signum).name} ignored: already shutting down", file=sys.stderr, flush=True)
+
+
+def install() -> None:
+    """From now on SIGTERM and SIGINT raise ShutdownRequested in the main thread."""
+    for s in SIGNALS:
+        signal.signal(s, _raise_shutdown)
+
+
+@contextmanager
+def keep_handlers() -> Iterator[None]:
+    """Within the block, a library may replace the SIGTERM/SIGINT handlers (ray.init does);
+    ours are restored after it. A SIGTERM that Ray's handler turned into SystemExit(15)
+    becomes the ShutdownRequested it would have been."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in SIGNALS}
+    try:
+        yield
+    except SystemExit as e:
+        if e.code == signal.SIGTERM and saved[signal.SIGTERM] is _raise_shutdown:
+            saved = dict.fromkeys(SIGNALS, _ignore_during_stop)  # as our own handler would have
+            raise ShutdownRequested(signal.SIGTERM) from None
+        raise
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                signal.signal(s, handler)
+
+
+def become_subreaper() -> None:
+    """Linux: processes orphaned below us (a Ray agent whose raylet died first) become our
+    children instead of init's, so the stop finds and ends them (LocalStack.stop)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_child_subreaper = 36
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
