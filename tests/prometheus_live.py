@@ -1,7 +1,7 @@
 """Evaluate dashboard queries in a real Prometheus that scrapes a Ray node's metrics port.
 
 Starts `prometheus` (Debian's package; scripts/bootstrap.sh installs it) on a free loopback
-port with a throwaway TSDB, scraping one Ray metrics export port every second, and answers
+port with a throwaway TSDB, scraping one Ray metrics export port every 3 s, and answers
 "how many series does this query return now". tests/test_metrics.py uses it to check that
 every panel of both dashboards is filled against the running stack. By hand:
 
@@ -26,7 +26,7 @@ WINDOW = "5m"  # $interval in the live check (the dashboards' default); Ray refr
 
 
 class LivePrometheus:
-    def __init__(self, metrics_port: int, scrape_interval_s: float = 1.0) -> None:
+    def __init__(self, metrics_port: int, scrape_interval_s: float = 3.0) -> None:
         from gateway.local_redis import free_port
 
         self.metrics_port = metrics_port
@@ -35,6 +35,9 @@ class LivePrometheus:
         (self.dir / "prometheus.yml").write_text(
             "global:\n"
             f"  scrape_interval: {int(scrape_interval_s * 1000)}ms\n"
+            # a scrape that times out marks every series stale (instant queries go empty): on a
+            # loaded machine Ray's export answers in seconds, so give it the whole interval
+            f"  scrape_timeout: {int(scrape_interval_s * 1000)}ms\n"
             "scrape_configs:\n"
             "  - job_name: ray\n"
             "    static_configs:\n"

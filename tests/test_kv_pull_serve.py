@@ -238,7 +238,8 @@ def pull_app(stack, redis_server):
 
     prefix = f"pullm-{uuid.uuid4().hex[:6]}"
     config = AppConfig(replicas=2, policy="affinity-pull", redis_url=redis_server.url, key_prefix=prefix,
-                       kv_cache_mb=128, max_model_len=2048, default_max_tokens=16, redis_timeout_s=1.0)
+                       kv_cache_mb=128, max_model_len=2048, default_max_tokens=16, redis_timeout_s=1.0,
+                       kv_pull_timeout_s=120.0)  # the pull itself is under test: a loaded machine must not time it out
     with side_app(stack, PULL_APP, config) as base:
         yield SimpleNamespace(url=base, keys=RedisKeys(prefix),
                               redis=redis.Redis.from_url(redis_server.url, decode_responses=True),
