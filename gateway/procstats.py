@@ -1,5 +1,6 @@
 """Memory and imports of the stack's processes, read from /proc (Linux): how light a gateway
-or a sim replica is. Ray titles Serve replica processes `ray::ServeReplica:APP:DEPLOYMENT`."""
+or a sim replica is. Ray titles Serve replica processes `ray::ServeReplica:APP:DEPLOYMENT` (plus `.method` while
+one of its tasks runs)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def serve_replica_pids(app: str, deployment: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if cmdline.startswith(title) and cmdline[len(title): len(title) + 1] in (b"", b"\0", b" "):
+        # while the actor runs a task Ray retitles it `...:DEPLOYMENT.method` (a health check, a
+        # request): that is the same replica
+        if cmdline.startswith(title) and cmdline[len(title): len(title) + 1] in (b"", b"\0", b" ", b"."):
             pids.append(int(entry.name))
     return sorted(pids)
 

@@ -486,7 +486,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:  # called in-process (the tests): leave the caller's thread count as it was
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()  # weight-loading bars would interleave with the report
     if args.decode_memory:
         from replica import bench_memory

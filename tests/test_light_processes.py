@@ -1,8 +1,7 @@
 """The live stack with simulated-compute replicas and several gateways: real Ray Serve, real
 Redis, real HTTP, real routers and publishers; no model and no torch anywhere in it.
 
-8 sim replicas and 2 gateways (each with its own router). Beside the session's default stack
-when another test already started it, else on a Ray instance of its own.
+8 sim replicas and 2 gateways (each with its own router), beside the session's default stack.
 """
 
 from __future__ import annotations
@@ -24,26 +23,18 @@ REPLICAS, GATEWAYS = 8, 2
 
 @pytest.fixture(scope="module")
 def fleet(request, redis_server):
-    import ray
     from ray import serve
 
-    from gateway.local_redis import free_port
-    from gateway.stack import APP_NAME, LocalStack
 
     config = AppConfig(
         redis_url=redis_server.url, key_prefix=f"sim-{uuid.uuid4().hex[:6]}", replicas=REPLICAS,
         gateways=GATEWAYS, engine="sim", num_blocks=256, block_size=16, default_max_tokens=8,
         max_model_len=4096, redis_timeout_s=1.0,  # a loaded CI machine must not turn lookups into fallbacks
     )
-    if ray.is_initialized():  # the session's stack is up: deploy beside it
-        stack = request.getfixturevalue("stack")
-        url = stack.deploy(config, name=APP, route_prefix=f"/{APP}")
-        yield url, APP
-        serve.delete(APP)
-    else:
-        stack = LocalStack(config, port=free_port()).start()
-        yield stack.url, APP_NAME
-        stack.stop()
+    stack = request.getfixturevalue("stack")  # beside the session's stack, whatever ran before
+    url = stack.deploy(config, name=APP, route_prefix=f"/{APP}")
+    yield url, APP
+    serve.delete(APP)
 
 
 def chat(url: str, messages: list[dict], session: str | None = None) -> httpx.Response:

@@ -17,8 +17,8 @@ LONG_SYSTEM = (
 ) * 3
 
 
-def _ask(stack, question, session):
-    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": question}]
+def _ask(stack, question, session, system=LONG_SYSTEM):
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     r = chat(stack, messages, session, max_tokens=8)
     assert r.status_code == 200, r.text
     return r
@@ -26,11 +26,20 @@ def _ask(stack, question, session):
 
 def test_new_session_with_known_system_prompt_goes_where_the_prefix_is(stack):
     tag = uuid.uuid4().hex[:6]
-    first = _ask(stack, f"Where is my order {tag}?", f"a-{tag}")
+    system = f"Orders {tag}. " + LONG_SYSTEM  # a prefix no other test has cached anywhere
+    import redis
+
+    keys = RedisKeys(stack.config.key_prefix)
+    client = redis.Redis.from_url(stack.config.redis_url)
+    held = {rid: client.scard(keys.blocks(rid)) for rid in client.smembers(keys.replicas)}
+    first = _ask(stack, f"Where is my order {tag}?", f"a-{tag}", system)
     home = first.headers["x-prefixgate-replica"]
-    time.sleep(0.3)  # let the replica publish its blocks
+    deadline = time.monotonic() + 60  # the replica publishes its new blocks asynchronously: wait for them
+    while client.scard(keys.blocks(home)) <= held.get(home.encode(), 0):
+        assert time.monotonic() < deadline, "the first request's blocks never reached the index"
+        time.sleep(0.1)
     for i in range(3):
-        r = _ask(stack, f"How do I return item {i} of {tag}?", f"b{i}-{tag}")
+        r = _ask(stack, f"How do I return item {i} of {tag}?", f"b{i}-{tag}", system)
         assert r.headers["x-prefixgate-replica"] == home
         assert r.headers["x-prefixgate-route"] == "prefix"
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64

@@ -24,18 +24,29 @@ def test_saturation_one_lookup_per_routed_request(stack):
     from ray import serve
 
     from gateway.config import AppConfig
+    from gateway.local_redis import LocalRedis
 
     prefix = f"sat-{uuid.uuid4().hex[:6]}"
+    own = LocalRedis().start()  # a Redis of its own: the count below is server-wide
     config = AppConfig(
-        engine="sim", replicas=2, policy="affinity", redis_url=stack.config.redis_url, key_prefix=prefix,
+        engine="sim", replicas=2, policy="affinity", redis_url=own.url, key_prefix=prefix,
         max_ongoing_requests=2, max_queued_requests=4, max_num_seqs=2, default_max_tokens=32,
         redis_timeout_s=1.0,  # a lookup timed out on a busy machine would route by fallback, uncounted
     )
     name = "saturation"
     if name in serve.status().applications:
         serve.delete(name)
+    try:
+        _saturate(stack, config, name, own, prefix)
+    finally:
+        own.cleanup()
+
+
+def _saturate(stack, config, name: str, own, prefix: str) -> None:
+    from ray import serve
+
     base = stack.deploy(config, name=name, route_prefix="/saturation")
-    client = redis.Redis.from_url(stack.config.redis_url, decode_responses=True)
+    client = redis.Redis.from_url(own.url, decode_responses=True)
     system = f"Saturation run {prefix}. " + "You answer questions about trains and timetables. " * 8
 
     async def one(http: httpx.AsyncClient, i: int) -> httpx.Response:
