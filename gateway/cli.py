@@ -69,13 +69,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     shutdown.install()  # SIGTERM/SIGINT from here on, start-up included, end in stack.stop() and exit 0
     shutdown.become_subreaper()  # and what the stack starts cannot outlive it unseen
-    config = config_from_args(args)
-    if args.ray_address and config.redis_url == "auto":
-        print("[prefixgate] --ray-address needs --redis-url (or REDIS_URL): replicas on other nodes "
-              "cannot reach a Redis started on 127.0.0.1 here", file=sys.stderr)
-        return 2
-    stack = LocalStack(config, port=args.port, host=args.host, ray_address=args.ray_address, metrics_port=args.metrics_port)
+    stack = None
     try:
+        config = config_from_args(args)
+        if args.ray_address and config.redis_url == "auto":
+            print("[prefixgate] --ray-address needs --redis-url (or REDIS_URL): replicas on other nodes "
+                  "cannot reach a Redis started on 127.0.0.1 here", file=sys.stderr)
+            return 2
+        stack = LocalStack(config, port=args.port, host=args.host, ray_address=args.ray_address,
+                           metrics_port=args.metrics_port)
         resolve_model(config.model)  # convert the bundled model once, before replicas start
         print(f"[prefixgate] starting: {config.replicas} {config.engine} replicas, {config.gateways} gateway(s), "
               f"policy {config.policy}, port {args.port}", flush=True)
@@ -108,8 +110,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (shutdown.ShutdownRequested, KeyboardInterrupt) as e:
         print(f"[prefixgate] {e or 'interrupted'}: shutting down", flush=True)
     finally:
-        stack.stop()
-        print("[prefixgate] stopped", flush=True)
+        shutdown.ignore()  # the stop is bounded: no signal cuts it short, however we got here
+        if stack is not None:
+            stack.stop()
+            print("[prefixgate] stopped", flush=True)
     return 0
 
 

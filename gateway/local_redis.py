@@ -48,8 +48,9 @@ class LocalRedis:
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self._proc.returncode} on port {self.port} "
+                if (code := self._proc.poll()) is not None:
+                    self._proc = self.pid = None
+                    raise RuntimeError(f"redis-server exited with {code} on port {self.port} "
                                        f"(log: {self.dir / 'redis.log'})")
                 try:
                     if client.ping():

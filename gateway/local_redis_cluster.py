@@ -44,9 +44,16 @@ class LocalRedisCluster:
         return self.nodes[0].url  # any node's URL names the whole cluster
 
     def start(self, timeout_s: float = 30.0) -> LocalRedisCluster:
+        try:
+            return self._start(timeout_s)
+        except BaseException:  # a node that did not start: stop the ones that did
+            self.cleanup()
+            raise
+
+    def _start(self, timeout_s: float) -> LocalRedisCluster:
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
-            node.start(timeout_s)
+            node.start(max(1.0, deadline - time.monotonic()))
         subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
              "--cluster-replicas", "0", "--cluster-yes"],

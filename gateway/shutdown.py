@@ -2,15 +2,18 @@
 moment after start, unwind to the stack's own stop instead of killing the process.
 
 The handler raises `ShutdownRequested` in the main thread, which interrupts whatever start-up
-or serving step is running there; the caller's `finally` then stops what was started. Later
-signals are ignored while that stop runs (it is bounded), so a second Ctrl-C does not leave a
-half-stopped stack. `ray.init` installs a SIGTERM handler of its own (`sys.exit(15)` from
-wherever the driver is, which has aborted the process inside Ray's C++ core);
+or serving step is running there; the caller's `finally` calls `ignore()` and then stops what
+was started, so a second signal cannot cut that (bounded) stop short. `ShutdownRequested` is
+a KeyboardInterrupt because Ray runs pending signal handlers inside its own blocking calls
+(`ray._raylet.check_signals`) and passes on only KeyboardInterrupt and SystemExit, printing
+and dropping anything else. `ray.init` installs a SIGTERM handler of its own (`sys.exit(15)`
+from wherever the driver is, which has aborted the process inside Ray's C++ core);
 `keep_handlers` puts ours back around such calls.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -18,9 +21,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_requested = threading.Event()  # a signal arrived: whatever handlers are restored, the stop is on
 
 
-class ShutdownRequested(BaseException):  # noqa: N818 (a request, not an error; BaseException so `except Exception` does not swallow it)
+class ShutdownRequested(KeyboardInterrupt):  # noqa: N818 (a request, not an error)
     """SIGTERM or SIGINT arrived: unwind and stop the stack."""
 
     def __init__(self, signum: int) -> None:
@@ -29,26 +33,36 @@ class ShutdownRequested(BaseException):  # noqa: N818 (a request, not an error; 
 
 
 def _raise_shutdown(signum: int, _frame) -> None:
-    for s in SIGNALS:  # the stop that follows is bounded: do not interrupt it
-        signal.signal(s, _ignore_during_stop)
+    if _requested.is_set():  # the first signal is unwinding to the stop: do not interrupt that
+        _ignore_during_stop(signum, _frame)
+        return
+    _requested.set()
     raise ShutdownRequested(signum)
 
 
 def _ignore_during_stop(signum: int, _frame) -> None:
-    print(f"[prefixgate] {signal.Signals(signum).name} ignored: already shutting down", file=sys.stderr, flush=True)
+    # os.write, not print: the main thread may be inside a write to stderr right now
+    os.write(2, f"[prefixgate] {signal.Signals(signum).name} ignored: already shutting down\n".encode())
 
 
 def install() -> None:
     """From now on SIGTERM and SIGINT raise ShutdownRequested in the main thread."""
+    _requested.clear()
     for s in SIGNALS:
         signal.signal(s, _raise_shutdown)
+
+
+def ignore() -> None:
+    """From now on SIGTERM and SIGINT only say that the stop is already under way."""
+    for s in SIGNALS:
+        signal.signal(s, _ignore_during_stop)
 
 
 @contextmanager
 def keep_handlers() -> Iterator[None]:
     """Within the block, a library may replace the SIGTERM/SIGINT handlers (ray.init does);
-    ours are restored after it. A SIGTERM that Ray's handler turned into SystemExit(15)
-    becomes the ShutdownRequested it would have been."""
+    ours are restored after it (or the stop's, if a signal arrived meanwhile). A SIGTERM that
+    Ray's handler turned into SystemExit(15) becomes the ShutdownRequested it would have been."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -57,13 +71,16 @@ def keep_handlers() -> Iterator[None]:
         yield
     except SystemExit as e:
         if e.code == signal.SIGTERM and saved[signal.SIGTERM] is _raise_shutdown:
-            saved = dict.fromkeys(SIGNALS, _ignore_during_stop)  # as our own handler would have
+            _requested.set()
             raise ShutdownRequested(signal.SIGTERM) from None
         raise
     finally:
-        for s, handler in saved.items():
-            if handler is not None:
-                signal.signal(s, handler)
+        if _requested.is_set():
+            ignore()
+        else:
+            for s, handler in saved.items():
+                if handler is not None:
+                    signal.signal(s, handler)
 
 
 def become_subreaper() -> None:

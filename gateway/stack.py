@@ -91,7 +91,11 @@ class LocalStack:
                     r = httpx.get(f"{base}/health", timeout=10)
                     # ready: a replica answers, and Serve has every replica of every deployment
                     # up (one gateway of several answering is not the whole app)
-                    if r.status_code == 200 and not (problems := serve_problems(name)):
+                    try:
+                        problems = serve_problems(name) if r.status_code == 200 else []
+                    except Exception as e:  # the controller is busy: ask again
+                        problems = [f"Serve status unavailable: {type(e).__name__}: {e}"]
+                    if r.status_code == 200 and not problems:
                         return
                     last = f"{r.text}; Serve: {'; '.join(problems)}" if r.status_code == 200 else r.text
                 else:

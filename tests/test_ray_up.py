@@ -302,7 +302,7 @@ def test_ray_up_onprem_cluster_serves_chat_with_locked_redis(default_model_dir):
         while time.monotonic() < deadline:
             try:
                 r = httpx.get(f"{base}/health", timeout=10)
-                if r.status_code == 200:
+                if r.status_code == 200 and r.json()["checks"].get("redis") == "ok":  # serving and routing by the index
                     break
                 last = r.text
             except httpx.HTTPError as e:

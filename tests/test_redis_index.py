@@ -203,7 +203,7 @@ def test_restart_clears_earlier_incarnation(redis_url, prefix):
             await eventually(_async(lambda: client.smembers(keys.blocks("ra")) == {str(h).encode() for h in hashes}))
             # shards apply a pipeline's parts in parallel: wait for the inverted index too
             await eventually(_async(lambda: not client.sismember(keys.block(111), "ra")))
-            assert all(client.sismember(keys.block(h), "ra") for h in hashes)
+            await eventually(_async(lambda: all(client.sismember(keys.block(h), "ra") for h in hashes)))
         finally:
             await a.publisher.stop()
         assert not client.exists(keys.blocks("ra"))  # a clean stop retracts everything
