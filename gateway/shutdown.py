@@ -60,27 +60,40 @@ def ignore() -> None:
 
 @contextmanager
 def keep_handlers() -> Iterator[None]:
-    """Within the block, a library may replace the SIGTERM/SIGINT handlers (ray.init does);
-    ours are restored after it (or the stop's, if a signal arrived meanwhile). A SIGTERM that
-    Ray's handler turned into SystemExit(15) becomes the ShutdownRequested it would have been."""
+    """Around ray.init: a signal is only recorded while it runs, and ShutdownRequested is
+    raised once it has returned. An exception raised into ray.init's node start-up (ours, or
+    Ray's own `sys.exit(15)` handler, which ray.init installs) aborted the process with
+    "terminate called without an active exception" (SIGABRT), so Ray's handler is not
+    installed and ours only take note until the block ends."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    import ray._private.utils as ray_utils
+
     saved = {s: signal.getsignal(s) for s in SIGNALS}
+    deferred: list[int] = []
+    set_sigterm_handler = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda _handler: None  # keep ours (ray.init looks it up per call)
+    for s in SIGNALS:
+        signal.signal(s, lambda signum, _frame: deferred.append(signum))
     try:
         yield
-    except SystemExit as e:
-        if e.code == signal.SIGTERM and saved[signal.SIGTERM] is _raise_shutdown:
-            _requested.set()
-            raise ShutdownRequested(signal.SIGTERM) from None
-        raise
     finally:
-        if _requested.is_set():
-            ignore()
-        else:
-            for s, handler in saved.items():
-                if handler is not None:
-                    signal.signal(s, handler)
+        ray_utils.set_sigterm_handler = set_sigterm_handler
+        for s, handler in saved.items():
+            if handler is not None:
+                signal.signal(s, handler)
+    if not deferred:
+        return
+    handler = saved[deferred[0]]
+    if handler is _raise_shutdown:
+        if not _requested.is_set():
+            _requested.set()
+            raise ShutdownRequested(deferred[0])
+    elif callable(handler):  # someone else's (e.g. pytest's SIGINT): deliver it now
+        handler(deferred[0], None)
+    elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), deferred[0])  # the default action, now that ray.init is done
 
 
 def become_subreaper() -> None:
