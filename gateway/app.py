@@ -2,7 +2,9 @@
 PrefixCacheReplica x N, with the request router chosen by policy name.
 
 Nothing imported here loads torch: the replica deployment imports its engine when a replica
-starts, and a simulated-compute replica (engine "sim") never imports it at all.
+starts, and a simulated-compute replica (engine "sim") never imports it at all. A vLLM
+replica (engine "vllm") runs in the vLLM venv's interpreter (Ray's runtime_env py_executable),
+so vLLM's pins never meet ours (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from gateway.config import AppConfig
 from gateway.server import Gateway
 from replica.default_model import DEFAULT_MODEL_NAME
 from replica.deployment import PrefixCacheReplica, ReplicaSettings
+from replica.engine_protocol import ENGINE_NAMES
 from replica.engine_types import EngineConfig
+from replica.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings, vllm_python
 
 OUR_POLICIES = ("affinity", "affinity-pull", "prefix", "session", "random", "least-loaded")
 RAY_ROUTERS = {
@@ -25,7 +29,7 @@ RAY_ROUTERS = {
     "ray-session": "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
 }
 POLICY_NAMES = (*OUR_POLICIES, *RAY_ROUTERS)
-ENGINES = ("model", "sim")
+ENGINES = ENGINE_NAMES
 SIM_DEFAULT_BLOCKS = 1024  # per sim replica when num_blocks is not given (no model to size a pool by)
 
 
@@ -67,11 +71,14 @@ def build_app(config: AppConfig) -> serve.Application:
         max_model_len=config.max_model_len,
     )
     settings = ReplicaSettings(engine, config.redis_url, config.key_prefix, config.publish_depth, config.torch_threads,
-                               sim=sim_settings(config, model_id), kv_pull_timeout_s=config.kv_pull_timeout_s)
+                               sim=sim_settings(config, model_id), kv_pull_timeout_s=config.kv_pull_timeout_s,
+                               vllm=vllm_settings(config))
     if settings.sim is not None:
         actor_options = {"num_cpus": config.sim_replica_num_cpus}
     else:
         actor_options = {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus}
+    if settings.vllm is not None:  # its own interpreter: the vLLM venv (docs/vllm.md)
+        actor_options["runtime_env"] = {"py_executable": vllm_python(config.vllm_python)}
     if config.replica_resources:
         actor_options["resources"] = dict(config.replica_resources)
     options = dict(
@@ -122,6 +129,19 @@ def sim_settings(config: AppConfig, model_id: str) -> dict | None:
     )
     sim.service_model().scaled(sim.time_scale)  # refuses unknown service fields and bad scales here
     return asdict(sim)
+
+
+def vllm_settings(config: AppConfig) -> dict | None:
+    """VllmSettings fields for a vLLM replica, or None for our engines; refused here, before
+    any replica starts, when vLLM could not take them."""
+    if config.engine != "vllm":
+        return None
+    from dataclasses import asdict
+
+    if config.device == "cpu" and config.block_size % VLLM_BLOCK_MULTIPLE:
+        raise ValueError(f"engine vllm on CPU needs a block size that is a multiple of {VLLM_BLOCK_MULTIPLE}, got {config.block_size}")
+    fields = {"cpu_kvcache_gib": max(1, -(-config.kv_cache_mb // 1024)), **dict(config.vllm)}
+    return asdict(VllmSettings(**fields))
 
 
 def app_builder(args: dict) -> serve.Application:

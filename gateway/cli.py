@@ -22,7 +22,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-prefix", default=d.key_prefix)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per K/V block (default: 16; 32 with --engine vllm)")
+    p.add_argument("--replica-threads", type=int, default=d.torch_threads, help="compute threads per replica (torch's, or vLLM's)")
     p.add_argument("--num-blocks", type=int, default=None, help="K/V blocks per replica (default: from --kv-cache-mb)")
     p.add_argument("--kv-cache-mb", type=int, default=d.kv_cache_mb)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
@@ -55,6 +56,7 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         replica_num_gpus=args.replica_gpus, max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests, api_keys=api_keys,
         replica_resources=json.loads(args.replica_resources) if args.replica_resources else {},
+        torch_threads=args.replica_threads,
         **fleet_fields(args),
     )
 

@@ -17,7 +17,7 @@ class AppConfig:
     policy: str = "affinity"  # affinity | affinity-pull | prefix | session | random | pow2 | ray-prefix | ray-session
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     key_prefix: str = "prefixgate"
-    block_size: int = 16
+    block_size: int | None = None  # None: 32 on engine vllm (its CPU backend needs a multiple of 32), else 16
     num_blocks: int | None = None  # per replica; None: kv_cache_mb below
     kv_cache_mb: int = 512
     max_num_seqs: int = 32
@@ -48,7 +48,9 @@ class AppConfig:
     gateway_num_cpus: float = 0.25
     gateway_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"head_node": 0.01}
     gateways: int = 1  # ingress replicas, each with its own router (they share only Redis)
-    engine: str = "model"  # "model": the real engine; "sim": simulated compute (no model, no torch)
+    engine: str = "model"  # "model": our engine; "sim": simulated compute (no model, no torch); "vllm": vLLM's engine
+    vllm: dict = field(default_factory=dict)  # vllm: VllmSettings overrides (replica/vllm_settings.py)
+    vllm_python: str | None = None  # vllm: the replicas' interpreter; None: .venv-vllm beside the checkout
     time_scale: float = 1.0  # sim: run the service model this many times faster in wall time
     sim_service: dict[str, float] = field(default_factory=dict)  # sim: ServiceModel overrides
     sim_transfer: dict[str, float] = field(default_factory=dict)  # sim: pull model (SimEngineConfig kv_bytes_per_token, pull_*)
@@ -67,6 +69,16 @@ class AppConfig:
             if unset:  # e.g. a Ray head started without ~/.prefixgate/redis.env (docs/deploy.md)
                 raise ValueError(f"redis_url names unset environment variables: {', '.join(unset)}")
         return cls(**d)
+
+    def __post_init__(self) -> None:
+        from replica.engine_protocol import ENGINE_NAMES
+
+        if self.engine not in ENGINE_NAMES:
+            raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINE_NAMES)}")
+        if self.block_size is None:
+            from replica.vllm_settings import VLLM_BLOCK_MULTIPLE
+
+            self.block_size = VLLM_BLOCK_MULTIPLE if self.engine == "vllm" else 16
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,14 +9,16 @@ from __future__ import annotations
 import argparse
 
 from gateway.config import AppConfig
+from replica.engine_protocol import ENGINE_NAMES
 
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
     d = AppConfig()
     g = p.add_argument_group("fleet", "many gateways; simulated-compute replicas (--engine sim)")
     g.add_argument("--gateways", type=int, default=d.gateways, help="ingress replicas, each with its own router")
-    g.add_argument("--engine", choices=["model", "sim"], default=d.engine,
-                   help="model: the real engine; sim: real cache, scheduler and publisher, modelled compute time, no torch")
+    g.add_argument("--engine", choices=list(ENGINE_NAMES), default=d.engine,
+                   help="model: our engine; sim: real cache, scheduler and publisher, modelled compute time, no torch; "
+                        "vllm: vLLM's engine in each replica (docs/vllm.md)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once per replica")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens per engine step (the prefill chunk, decodes included)")

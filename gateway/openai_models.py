@@ -76,6 +76,8 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # vLLM's extension
+    ignore_eos: bool | None = None  # vLLM's extension (benchmark clients send it)
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extension: no stop before this many tokens
     response_format: ResponseFormat | None = None
     prompt_cache_key: str | None = Field(default=None, max_length=256)  # routing session key
 
@@ -98,6 +100,10 @@ class _Sampling(_Strict):
             value = getattr(self, name)
             if value is not None:
                 params[name] = float(value)
+        if self.ignore_eos is not None:
+            params["ignore_eos"] = self.ignore_eos
+        if self.min_tokens:
+            params["min_tokens"] = self.min_tokens
         k = self.top_logprobs_requested()
         if k is not None:
             params["logprobs"] = k

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -38,14 +39,31 @@ def locate_gguf() -> Path:
 def default_model_dir() -> Path:
     """Path of the converted default model, converting it on first use."""
     target = cache_root() / DEFAULT_MODEL_NAME
-    if (target / "config.json").exists():
+    if (target / "config.json").exists() and not _has_gguf_key(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
             _convert(locate_gguf(), target)
+        elif _has_gguf_key(target):  # converted by an earlier version: make it loadable by vLLM
+            _drop_gguf_key(target)
     return target
+
+
+def _has_gguf_key(target: Path) -> bool:
+    return "quantization_config" in json.loads((target / "config.json").read_text())
+
+
+def _drop_gguf_key(target: Path) -> None:
+    """transformers records the GGUF source as a quantization_config although the saved weights
+    are plain tensors; vLLM (and other Hugging Face tools) refuse the directory because of it."""
+    path = target / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("quantization_config", None)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _convert(gguf: Path, target: Path) -> None:
@@ -60,6 +78,7 @@ def _convert(gguf: Path, target: Path) -> None:
     model.hf_quantizer = None  # dequantized weights are plain tensors now
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _drop_gguf_key(tmp)
     os.replace(tmp, target)
     print("[prefixgate] default model ready", file=sys.stderr, flush=True)
 

@@ -1,4 +1,6 @@
-"""The Ray Serve replica: one AsyncLLMEngine plus the publisher of its block hashes."""
+"""The Ray Serve replica: one engine backend (replica/engine_protocol.py) plus the publisher of
+its block hashes. Which backend runs is `ReplicaSettings.engine_name`: our engine, the
+simulated one, or vLLM's."""
 
 from __future__ import annotations
 
@@ -10,19 +12,16 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
-from replica.async_engine import AsyncLLMEngine, EngineDeadError
+from replica.async_engine import EngineDeadError
 from replica.drain import drain_replica
+from replica.engine_protocol import ENGINE_NAMES, EngineBackend
 from replica.engine_types import EngineConfig, InvalidRequestError
 from replica.metrics import ReplicaMetrics
 from replica.publisher import BlockPublisher, PublisherConfig
 from replica.pull_load import add_pull_load
 from replica.sampling_params import SamplingParams
 from router.protocol.messages import GenerateRequest
-
-if TYPE_CHECKING:  # imported lazily: only a replica running the real model loads torch
-    from replica.engine import LLMEngine
 
 log = logging.getLogger("prefixgate.replica")
 
@@ -33,9 +32,10 @@ class ReplicaSettings:
     redis_url: str | None = None  # None: run without publishing (routing falls back to hashing)
     key_prefix: str = "prefixgate"
     publish_depth: int = 64
-    torch_threads: int = 1
+    torch_threads: int = 1  # compute threads per replica (torch's, or vLLM's OMP threads)
     sim: dict | None = None  # SimEngineConfig fields: a simulated-compute replica (no model, no torch)
     kv_pull_timeout_s: float = 5.0  # a pull hint's round trip (docs/kv-pull.md); past it: recompute
+    vllm: dict | None = None  # VllmSettings fields: a replica running vLLM's engine (replica/vllm_backend.py)
 
     @classmethod
     def from_dict(cls, d: dict) -> ReplicaSettings:
@@ -46,17 +46,25 @@ class ReplicaSettings:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def engine_name(self) -> str:
+        if self.sim is not None and self.vllm is not None:
+            raise ValueError("a replica runs either the sim engine or vLLM, not both")
+        return "sim" if self.sim is not None else "vllm" if self.vllm is not None else "model"
 
-def kv_bytes_per_token(engine) -> int:
-    """K/V bytes one token occupies: the sim engine's modelled figure, or the real pool's
-    (k + v over its slots); 0 when unknown. The router prices pulls with it."""
-    modelled = getattr(getattr(engine, "config", None), "kv_bytes_per_token", None)
-    if modelled is not None:
-        return int(modelled)
-    pool = getattr(getattr(engine, "runner", None), "pool", None)
-    if pool is None:
-        return 0
-    return int((pool.k.nbytes + pool.v.nbytes) // pool.k.shape[2])
+
+async def create_backend(settings: ReplicaSettings) -> EngineBackend:
+    """The backend the settings name; each imports its engine only here (a sim replica never
+    loads torch, and only a vLLM replica imports vLLM)."""
+    name = settings.engine_name
+    assert name in ENGINE_NAMES
+    if name == "vllm":
+        from replica.vllm_backend import VllmBackend, VllmSettings
+
+        return await VllmBackend.create(settings.engine, VllmSettings(**settings.vllm), settings.torch_threads)
+    from replica.local_backend import LocalBackend
+
+    return await LocalBackend.create(settings.engine, settings.sim, settings.torch_threads)
 
 
 def _replica_id() -> str:
@@ -74,26 +82,15 @@ class PrefixCacheReplica:
     async def __init__(self, settings: dict) -> None:
         self.settings = ReplicaSettings.from_dict(settings)
         self.replica_id = _replica_id()
-        if self.settings.sim is not None:
-            from replica.sim_engine import SimEngine, SimEngineConfig
-
-            engine = SimEngine(SimEngineConfig(**self.settings.sim))
-        else:
-            import torch
-
-            from replica.engine import LLMEngine
-
-            torch.set_num_threads(self.settings.torch_threads)
-            engine = await asyncio.to_thread(LLMEngine, config=self.settings.engine)
-        self.engine = AsyncLLMEngine(engine)
-        self.metrics = ReplicaMetrics(engine.model_id, engine.max_model_len)  # vLLM's names, through Ray
-        self._gauges = asyncio.create_task(self.metrics.run_gauges(self.engine.stats))
-        self.kv_pull = None  # pulls of K/V from other replicas (real engines only)
-        if self.settings.sim is None:
+        self.backend: EngineBackend = await create_backend(self.settings)
+        facts = self.backend.facts
+        self.metrics = ReplicaMetrics(facts.model_id, facts.max_model_len)  # vLLM's names, through Ray
+        self._gauges = asyncio.create_task(self.metrics.run_gauges(self.backend.stats))
+        self.kv_pull = None  # pulls of K/V from other replicas (engines that export and import it)
+        if self.backend.capabilities.kv_pull and facts.engine == "model":
             from replica import kv_pull
 
-            self.kv_pull = kv_pull.for_replica(self.engine, self.replica_id, kv_pull.KvPullConfig(self.settings.kv_pull_timeout_s))
-        self.kv_bytes_per_token = kv_bytes_per_token(engine)  # reported for the router's pull pricing
+            self.kv_pull = kv_pull.for_replica(self.backend.engine, self.replica_id, kv_pull.KvPullConfig(self.settings.kv_pull_timeout_s))
         self.publisher: BlockPublisher | None = None
         self.draining = False
         # (steps started, steps finished) at each heartbeat: shows beats while a step runs
@@ -109,22 +106,26 @@ class PrefixCacheReplica:
                 snapshot=self._snapshot,
                 load=self._load,
             )
-            engine.add_listener(self.publisher)
+            self.backend.add_listener(self.publisher)
             self.publisher.start()
-        log.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
+        log.info("replica %s ready (%s engine, pid %d)", self.replica_id, facts.engine, os.getpid())
+
+    @property
+    def engine(self):
+        """Our engines' AsyncLLMEngine (tests and replica/kv_pull.py drive it directly)."""
+        return self.backend.engine
 
     async def _snapshot(self) -> list[tuple[int, int]]:
         """The cached set for a full resync, taken between steps (never blocks this loop)."""
-
-        def take(engine: LLMEngine):
-            self.publisher.reset_events()
-            return engine.blocks.cached_hashes()
-
-        return await self.engine.submit(take)
+        return await self.backend.block_snapshot(self.publisher.reset_events)
 
     def _load(self) -> dict[str, int]:
-        s = self.engine.stats()  # a snapshot: answers at once even during a long step
-        self.heartbeats.append((self.engine.steps_started, self.engine.steps_finished))
+        s = self.backend.stats()  # a snapshot: answers at once even during a long step
+        engine = getattr(self.backend, "engine", None)
+        if engine is not None and hasattr(engine, "steps_started"):
+            self.heartbeats.append((engine.steps_started, engine.steps_finished))
+        else:
+            self.heartbeats.append((s.steps, s.steps))
         load = {
             "running": s.running,
             "waiting": s.waiting,
@@ -132,14 +133,14 @@ class PrefixCacheReplica:
             "free_blocks": s.blocks_free,
             "cached_blocks": s.blocks_cached,
             "capacity_blocks": s.blocks_total,
+            "kv_pull": int(self.backend.capabilities.kv_pull),  # routers send pull hints only where 1
             "pid": os.getpid(),  # lets operators (and the fault tests) find the process
             "generated_tokens": s.generated_tokens,  # tests see whether an aborted request stopped
         }
-        lag = getattr(self.engine.engine, "lag", None)  # sim replica: the fleet harness reads every replica's
-        if lag is not None and lag.modelled_s > 0:
-            load["step_lag"] = round(lag.actual_s / lag.modelled_s - 1, 4)  # time-weighted, since start
-        pull_rates = getattr(self.engine.engine, "pull_rates", None)  # sim engine: its modelled rates
-        return add_pull_load(load, self.kv_pull, self.kv_bytes_per_token, pull_rates() if pull_rates else None)
+        extra = self.backend.load_extra()
+        rates = {k: extra.pop(k) for k in ("kv_pull_bytes_per_s", "prefill_tokens_per_s") if k in extra}
+        load.update(extra)
+        return add_pull_load(load, self.kv_pull, self.backend.facts.kv_bytes_per_token, rates or None)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         yield {"type": "start", "replica": self.replica_id, "route": request.route}
@@ -159,7 +160,7 @@ class PrefixCacheReplica:
                     extra["kv_prefix"] = kv  # imported with the request's own add, on the engine thread
             if request.kv_source is not None and self.settings.sim is not None and request.kv_source.replica_id != self.replica_id:
                 extra["kv_pull_blocks"] = request.kv_source.num_blocks  # modelled pull (replica/sim_engine.py)
-            stream = self.engine.generate(
+            stream = self.backend.generate(
                 request.prompt_token_ids, params, request_id=request.request_id, cache_salt=request.cache_salt, **extra
             )
             async for out in stream:
@@ -189,24 +190,25 @@ class PrefixCacheReplica:
 
     async def info(self) -> dict:
         """Model facts the gateway needs, and live stats for /health and /metrics."""
-        e = self.engine.engine
-        stats = asdict(self.engine.stats())
+        facts = self.backend.facts
+        stats = asdict(self.backend.stats())
         if self.publisher is not None:
             stats["publisher"] = asdict(self.publisher.stats)
         if self.kv_pull is not None:
             stats["kv_pull"] = asdict(self.kv_pull.snapshot())
         return {
             "replica": self.replica_id,
-            "model_id": e.model_id,
-            "max_model_len": e.max_model_len,
-            "vocab_size": e.vocab_size,
-            "block_size": e.config.block_size,
-            "pool_tokens": e.blocks.num_blocks * e.config.block_size,
-            "engine": "sim" if self.settings.sim is not None else "model",
-            "step_lag": e.step_lag() if hasattr(e, "step_lag") else None,
+            "model_id": facts.model_id,
+            "max_model_len": facts.max_model_len,
+            "vocab_size": facts.vocab_size,
+            "block_size": facts.block_size,
+            "pool_tokens": facts.pool_tokens,
+            "engine": facts.engine,
+            "capabilities": asdict(self.backend.capabilities),
             "pid": os.getpid(),
             "torch_loaded": "torch" in sys.modules,
             "stats": stats,
+            **self.backend.info_extra(),
         }
 
     async def export_kv(self, hashes: list[int], token_ids: list[int], first: int = 0):
@@ -217,8 +219,8 @@ class PrefixCacheReplica:
         return await self.kv_pull.export(hashes, token_ids, first)
 
     async def check_health(self) -> None:
-        if not self.engine.alive:
-            raise RuntimeError("engine loop thread died")
+        if not self.backend.alive:
+            raise RuntimeError("engine stopped")
 
     async def __del__(self) -> None:
         """Serve calls this after draining (ongoing requests finished, or its graceful timeout

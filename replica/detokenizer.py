@@ -52,14 +52,15 @@ class Detokenizer:
         st.prefix_len = len(self._decode(ids[st.prefix : st.read]))
         return st.text
 
-    def update(self, seq: Sequence) -> str | None:
-        """Refresh seq.output_text; returns the stop string that ended it, if any."""
+    def update(self, seq: Sequence, check_stops: bool = True) -> str | None:
+        """Refresh seq.output_text; returns the stop string that ended it, if any (none is
+        looked for while check_stops is false: before a request's min_tokens)."""
         if self.tokenizer is None:
             return None
         text = self._advance(seq)
         seq.output_text = text
         stops = seq.params.stop
-        if not stops:
+        if not stops or not check_stops:
             return None
         window_start = max(0, seq.emitted_text_len - max(len(s) for s in stops))
         best: tuple[int, str] | None = None

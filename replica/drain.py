@@ -20,10 +20,10 @@ async def drain_replica(replica) -> None:
     replica.draining = True
     handed = 0
     try:
-        handed = await replica.engine.hand_off("replica is shutting down")
+        handed = await replica.backend.hand_off("replica is shutting down")
     except Exception as e:  # the engine already stopped: nothing left to hand off
         log.debug("hand-off skipped: %r", e)
     if replica.publisher is not None:
         await replica.publisher.stop(unregister=True)  # bounded even if Redis is away
-    replica.engine.shutdown()
+    replica.backend.shutdown()
     log.info("replica %s drained: %d request(s) handed off, blocks retracted", replica.replica_id, handed)

@@ -64,7 +64,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(path, self.tokenizer)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
-        self.sampler = Sampler(Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)))
+        self.sampler = Sampler(Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)), sorted(self.eos_token_ids))
         self.token_text = TokenText(self.tokenizer)  # logprobs: token ids to OpenAI's token/bytes
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
@@ -208,10 +208,11 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        n = len(seq.output_token_ids)  # min_tokens as vLLM: stop ids are masked before it, stop strings wait past it
+        if n >= p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             self.detokenizer.update(seq)
             return "stop"
-        if self.detokenizer.update(seq) is not None:
+        if self.detokenizer.update(seq, check_stops=n > p.min_tokens) is not None:
             return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

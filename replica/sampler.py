@@ -48,8 +48,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, grammars: Grammars | None = None) -> None:
+    def __init__(self, grammars: Grammars | None = None, eos_token_ids: list[int] | tuple[int, ...] = ()) -> None:
         self.grammars = grammars
+        self.eos_token_ids = list(eos_token_ids)  # masked, with stop_token_ids, before min_tokens
         self._generators: dict[str, torch.Generator] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
         self._device_generators: dict[tuple[str, str], torch.Generator] = {}
@@ -96,7 +97,9 @@ class Sampler:
         raw_lp = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
 
         # masks and penalties write in place: never into the runner's own output
-        scores = logits.clone() if any(p.penalized or p.constrained for p in params) else logits
+        early = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        scores = logits.clone() if early or any(p.penalized or p.constrained for p in params) else logits
+        self._apply_min_tokens(scores, rows, early)
         self._apply_grammar(scores, rows)
         self._apply_penalties(scores, rows)
 
@@ -129,6 +132,16 @@ class Sampler:
             if matcher is not None:
                 matcher.accept(token)
         return SamplerOutput(token_list, lp_rows)
+
+    def _apply_min_tokens(self, scores: torch.Tensor, rows: list[Row], early: list[int]) -> None:
+        """vLLM's min_tokens: until a request has that many tokens, its end-of-sequence ids (unless
+        ignore_eos) and stop_token_ids cannot be chosen."""
+        for i in early:
+            p = rows[i].params
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            banned = [t for t in banned if 0 <= t < scores.shape[-1]]
+            if banned:
+                scores[i, banned] = float("-inf")
 
     def _apply_grammar(self, scores: torch.Tensor, rows: list[Row]) -> None:
         constrained = [i for i, r in enumerate(rows) if r.request_id in self._matchers]

@@ -19,6 +19,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's: no end-of-sequence, stop token or stop string before this many tokens
     # OpenAI semantics, over the generated tokens only: logit -= f * count + p * (count > 0)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -50,6 +51,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be at most 16 non-empty strings")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         for name in ("presence_penalty", "frequency_penalty"):

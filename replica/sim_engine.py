@@ -353,7 +353,7 @@ class SimEngine:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if seq.params.stop:
-            stopped = self.detokenizer.update(seq) is not None
+            stopped = self.detokenizer.update(seq, check_stops=len(seq.output_token_ids) > seq.params.min_tokens) is not None
         else:
             seq.output_text += fake_token_text(token)
             stopped = False

@@ -210,4 +210,5 @@ class Decider:
             free_blocks=hb.get("free_blocks", 0),
             cached_blocks=hb.get("cached_blocks", 0),
             capacity_blocks=hb.get("capacity_blocks", 0),
+            kv_pull=bool(hb.get("kv_pull", 0)),  # no heartbeat: no pull hint either
         )

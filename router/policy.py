@@ -28,6 +28,7 @@ class ReplicaView:
     free_blocks: int = 0
     cached_blocks: int = 0
     capacity_blocks: int = 0
+    kv_pull: bool = True  # it exports and imports K/V: a pull may name it (false for vLLM replicas)
 
 
 @dataclass
@@ -399,7 +400,7 @@ class AffinityPullPolicy(AffinityPolicy):
     @staticmethod
     def source(replicas: list[ReplicaView]) -> ReplicaView | None:
         """The deepest holder of the prompt's leading blocks (ties: the least busy)."""
-        best = max(replicas, key=lambda v: (v.matched_blocks, -_queued(v)), default=None)
+        best = max((v for v in replicas if v.kv_pull), key=lambda v: (v.matched_blocks, -_queued(v)), default=None)
         return best if best is not None and best.matched_blocks > 0 else None
 
     def option(self, request: RouteRequest, v: ReplicaView, source: ReplicaView | None) -> tuple[float, int]:
@@ -407,7 +408,7 @@ class AffinityPullPolicy(AffinityPolicy):
         bs = request.block_size
         tokens = request.num_prompt_tokens
         recompute = self.miss_weight * max(tokens - v.matched_blocks * bs, 0)
-        if source is None or source.replica_id == v.replica_id:
+        if source is None or source.replica_id == v.replica_id or not v.kv_pull:
             return recompute, 0
         depth = min(source.matched_blocks, max(tokens - 1, 0) // bs)  # one token is always computed
         if depth <= v.matched_blocks:

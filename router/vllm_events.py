@@ -71,22 +71,52 @@ class EventTranslator:
     """vLLM events -> our ("+"/"-", hashes) writes; pure (no I/O), so it is tested alone too."""
 
     def __init__(self, model_id: str, block_size: int, depth: int, cache_salt: str | None = None) -> None:
+        self.model_id = model_id
         self.block_size = block_size
         self.depth = depth
+        self.cache_salt = cache_salt  # the salt of prompts whose events carry none
         self.seed = chain_seed(model_id, cache_salt)
+        self._seeds: dict[str | None, int] = {cache_salt: self.seed}
         self._ours: dict[BlockHash, tuple[int, int]] = {}  # vLLM hash -> (our hash, block position)
         self.stats = AdapterStats()
 
+    def held(self) -> list[tuple[int, int]]:
+        """(our hash, position) of every block vLLM holds now, as far as its events told: what a
+        publisher's full resync writes."""
+        return [(h, pos) for h, pos in self._ours.values() if pos < self.depth]
+
+    def _chain_root(self, salt: str | None) -> int:
+        if salt is None:
+            return self.seed
+        if salt not in self._seeds:
+            self._seeds[salt] = chain_seed(self.model_id, salt)
+        return self._seeds[salt]
+
     def translate(self, batch: KVEventBatch) -> list[tuple[str, list[int]]]:
         """Writes for one batch, in order; ("clear", []) for AllBlocksCleared."""
-        out: list[tuple[str, list[int]]] = []
+        return [(op, [h for h, _ in blocks]) for op, blocks in self._writes(batch)]
+
+    def feed(self, batch: KVEventBatch, listeners: list) -> None:
+        """One batch into KVEventListeners (replica/block_manager.py), e.g. a replica's own
+        BlockPublisher: the vLLM backend publishes through the same path as our engine."""
+        for op, blocks in self._writes(batch):
+            for listener in listeners:
+                if op == "+":
+                    listener.stored([h for h, _ in blocks], [p for _, p in blocks])
+                elif op == "-":
+                    listener.removed([h for h, _ in blocks])
+                else:
+                    listener.cleared()
+
+    def _writes(self, batch: KVEventBatch) -> list[tuple[str, list[tuple[int, int]]]]:
+        out: list[tuple[str, list[tuple[int, int]]]] = []
         for event in batch.events:
             if isinstance(event, BlockStored):
                 ours = self._stored(event)
                 if ours:
                     out.append(("+", ours))
             elif isinstance(event, BlockRemoved):
-                ours = [self._ours.pop(h)[0] for h in event.block_hashes if h in self._ours]
+                ours = [self._ours.pop(h) for h in event.block_hashes if h in self._ours]
                 self.stats.removed += len(ours)
                 if ours:
                     out.append(("-", ours))
@@ -96,13 +126,18 @@ class EventTranslator:
                 out.append(("clear", []))
         return out
 
-    def _stored(self, event: BlockStored) -> list[int]:
+    @property
+    def num_held(self) -> int:
+        """Blocks vLLM's prefix cache holds, as its events told."""
+        return len(self._ours)
+
+    def _stored(self, event: BlockStored) -> list[tuple[int, int]]:
         n = len(event.block_hashes)
         if event.block_size != self.block_size or len(event.token_ids) < n * self.block_size:
             self.stats.skipped += n
             return []
-        if event.parent_block_hash is None:
-            parent, position = self.seed, 0
+        if event.parent_block_hash is None:  # a tenant's prompt starts from its own salted root
+            parent, position = self._chain_root(event.cache_salt()), 0
         elif event.parent_block_hash in self._ours:
             parent, parent_pos = self._ours[event.parent_block_hash]
             position = parent_pos + 1
@@ -115,7 +150,7 @@ class EventTranslator:
         for i, (theirs, mine) in enumerate(zip(event.block_hashes, ours, strict=True)):
             self._ours[theirs] = (mine, position + i)
             if position + i < self.depth:
-                published.append(mine)
+                published.append((mine, position + i))
         self.stats.stored += len(published)
         return published
 

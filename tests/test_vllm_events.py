@@ -40,7 +40,30 @@ def stored(hashes, parent, tokens):
 
 def test_our_structs_encode_vllms_wire_format():
     ours = KVEventBatch(ts=1.25, events=[BlockStored([7, 8], None, list(range(8)), BS), BlockRemoved([8])])
-    assert encode_batch(ours) == vllm_payload(1.25, [stored([7, 8], None, list(range(8))), ["BlockRemoved", [8], None]])
+    array_form = [*stored([7, 8], None, list(range(8))), None, None]  # lora_name, extra_keys
+    assert encode_batch(ours) == vllm_payload(1.25, [array_form, ["BlockRemoved", [8], None]])
+
+
+def test_map_shaped_events_of_vllm_0_32_decode_with_the_tenant_salt():
+    """vLLM 0.32 sends each event as a map tagged by "type", with fields we do not use (measured
+    on its CPU build); a salted prompt's first block carries the salt in extra_keys, and the
+    translator chains that prompt from the tenant's own root, as our router hashes it."""
+    from router.protocol.events import decode_batch
+
+    tokens = list(range(200, 208))
+    a, b = random.getrandbits(63), random.getrandbits(63)
+    event = {"type": "BlockStored", "block_hashes": [a, b], "parent_block_hash": None, "token_ids": tokens,
+             "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None,
+             "extra_keys": [["tenant-a"], None], "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    batch = decode_batch(msgpack.packb([2.5, [event, {"type": "BlockRemoved", "block_hashes": [b], "medium": "GPU"},
+                                              {"type": "AllBlocksCleared"}], 0]))
+    assert [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert batch.events[0].medium == "GPU" and batch.events[0].cache_salt() == "tenant-a"
+    t = EventTranslator(MODEL, BS, depth=64)
+    writes = t.translate(batch)
+    salted = block_hashes(tokens, BS, chain_seed(MODEL, "tenant-a"))
+    assert writes == [("+", salted), ("-", salted[1:]), ("clear", [])]
+    assert salted != block_hashes(tokens, BS, chain_seed(MODEL))
 
 
 def test_translator_rehashes_with_our_spec_and_skips_orphans():

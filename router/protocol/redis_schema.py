@@ -35,6 +35,7 @@ class Heartbeat:
     kv_pull_bytes_per_s: int = 0  # K/V bytes per second of its recent pulls from other replicas
     prefill_tokens_per_s: int = 0  # prompt tokens computed per second of prefill, recent requests
     kv_bytes_per_token: int = 0  # K/V bytes one token occupies in its pool (what a pull moves per token)
+    kv_pull: int = 0  # 1: the replica exports and imports K/V, so pull hints may name it (issue 21)
 
 
 # The longest a routing decision waits for Redis (then it routes without the index). One value
