@@ -9,6 +9,8 @@ plot       redraw the PNG from a summary.json or compare.json
 trace      open-loop Mooncake replay against a running gateway, beside the simulator on the
            same rows (loadtest/fleet_cli.py, docs/fleet.md)
 fleet      sim replicas x policies x replica counts, live and simulated side by side
+headtohead the same 2 vLLM-sized replicas under prefixgate and Ray Serve LLM, one system at a
+           time, the same clients (vLLM's bench serve, Locust chats); one table per client
 
 Locust runs as a subprocess of this interpreter (`python -m locust`), so its gevent
 monkey-patching never touches the Ray driver that `compare` holds.
@@ -47,6 +49,7 @@ class LoadSpec:
     system_tokens: int = 300
     user_tokens: int = 48
     turns: int = 4
+    turns_min: int = 0  # > 0: each chat has uniform [turns_min, turns] turns
     sessions_per_user: int = 2
     think_min: float = 0.5
     think_max: float = 1.5
@@ -76,7 +79,7 @@ class LoadSpec:
             "--records", str(out_dir / "records.jsonl"), "--run-label", label,
             "--seed", str(self.seed), "--system-prompts", str(self.system_prompts),
             "--system-tokens", str(self.system_tokens), "--user-tokens", str(self.user_tokens),
-            "--turns", str(self.turns), "--sessions-per-user", str(self.sessions_per_user),
+            "--turns", str(self.turns), "--turns-min", str(self.turns_min), "--sessions-per-user", str(self.sessions_per_user),
             "--think-min", str(self.think_min), "--think-max", str(self.think_max),
             "--max-tokens", str(self.max_tokens),
             "--trace-start", str(self.trace_start), "--trace-requests", str(self.trace_requests),
@@ -121,6 +124,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--system-tokens", type=int, default=None)
     g.add_argument("--user-tokens", type=int, default=None)
     g.add_argument("--turns", type=int, default=None)
+    g.add_argument("--turns-min", type=int, default=None,
+                   help="uneven sessions: each chat has uniform [turns-min, turns] turns (0: all have --turns)")
     g.add_argument("--sessions-per-user", type=int, default=None, help="0: keep chatting until --duration")
     g.add_argument("--think-min", type=float, default=None)
     g.add_argument("--think-max", type=float, default=None)
@@ -384,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.fleet_cli import add_parsers
 
     add_parsers(sub)  # trace, fleet
+
+    from loadtest.headtohead import add_parser as add_headtohead
+
+    add_headtohead(sub)  # prefixgate against Ray Serve LLM on the same replicas (loadtest/headtohead.py)
 
     p = sub.add_parser("summarize", help="summary of one or more records.jsonl files")
     p.add_argument("records", nargs="+")

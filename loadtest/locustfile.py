@@ -26,6 +26,7 @@ from locust.exception import StopUser
 from loadtest.workload import (
     TraceRequest,
     TraceSpec,
+    chat_turns,
     default_trace_path,
     load_trace,
     rng_for,
@@ -47,6 +48,8 @@ def _arguments(parser) -> None:
     g.add_argument("--user-tokens", type=int, default=48, env_var="PG_USER_TOKENS",
                    help="mean user message length, tokens (uniform 0.5x-1.5x)")
     g.add_argument("--turns", type=int, default=4, env_var="PG_TURNS", help="turns per chat session")
+    g.add_argument("--turns-min", type=int, default=0, env_var="PG_TURNS_MIN",
+                   help="if set (< --turns): each chat has uniform [turns-min, turns] turns (uneven sessions)")
     g.add_argument("--sessions-per-user", type=int, default=0, env_var="PG_SESSIONS_PER_USER",
                    help="chats per user, then it stops (0: until --run-time)")
     g.add_argument("--think-min", type=float, default=0.5, env_var="PG_THINK_MIN", help="seconds")
@@ -240,7 +243,8 @@ class ChatUser(GatewayUser):
         messages = [{"role": "system", "content": system_prompt(o.seed, k, o.system_tokens)}]
         prev = None
         gevent.sleep(rng.uniform(0.0, o.think_min))  # users do not all start in lockstep
-        for turn in range(1, o.turns + 1):
+        turns = chat_turns(o.seed, self.index, j, o.turns, o.turns_min)
+        for turn in range(1, turns + 1):
             messages.append({"role": "user", "content": user_message(rng, o.user_tokens)})
             payload = {"model": self.model, "messages": messages, "max_tokens": o.max_tokens,
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
@@ -250,7 +254,7 @@ class ChatUser(GatewayUser):
                 return
             messages.append({"role": "assistant", "content": rec["text"]})
             prev = rec["replica"]
-            if turn < o.turns:
+            if turn < turns:
                 gevent.sleep(rng.uniform(o.think_min, o.think_max))
 
 

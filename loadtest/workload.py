@@ -56,6 +56,15 @@ def system_prompt(seed: int, index: int, n_tokens: int) -> str:
     return f"{head} {words(rng_for(seed, 'system', index), max(n_tokens - 16, 1))}."
 
 
+def chat_turns(seed: int, user: int, session: int, turns: int, turns_min: int = 0) -> int:
+    """Turns of chat `session` of user `user`: `turns` for every chat unless turns_min is set
+    (0 < turns_min < turns), then uniform in [turns_min, turns], drawn from a stream of its
+    own so the prompts themselves do not change with it: uneven session lengths."""
+    if turns_min <= 0 or turns_min >= turns:
+        return turns
+    return rng_for(seed, "turns", user, session).randint(turns_min, turns)
+
+
 def user_message(rng: random.Random, mean_tokens: int) -> str:
     n = max(1, round(rng.uniform(0.5, 1.5) * mean_tokens))
     return f"Question: {words(rng, n)}?"

@@ -1,0 +1,199 @@
+"""The pure parts of `prefixgate loadtest headtohead` (loadtest/headtohead.py): result parsing,
+counter deltas, the ceiling, the tables, the command lines; and the chat workload's uneven
+session lengths. No network, no Ray, no vLLM."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from loadtest import headtohead as h
+from loadtest.cli import LoadSpec
+from loadtest.workload import chat_turns
+
+SCRAPE = """\
+# HELP ray_vllm_prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE ray_vllm_prefix_cache_hits_total counter
+ray_vllm_prefix_cache_hits_total{Component="core_worker",NodeAddress="127.0.0.1",ReplicaId="hi3fdo4x",engine="0",model_name="SmolLM2-135M-Instruct",otel_scope_name="ray._private.telemetry.open_telemetry_metric_recorder",otel_scope_schema_url="",otel_scope_version=""} 32.0
+# TYPE ray_vllm_prefix_cache_queries_total counter
+ray_vllm_prefix_cache_queries_total{Component="core_worker",ReplicaId="hi3fdo4x",engine="0",model_name="SmolLM2-135M-Instruct"} 122.0
+ray_vllm_prefix_cache_queries_total{Component="core_worker",ReplicaId="hnyyuq85",engine="0",model_name="SmolLM2-135M-Instruct"} 37.0
+ray_vllm_prefix_cache_queries_total_created{ReplicaId="hnyyuq85"} 1796133600.0
+ray_vllm_prompt_tokens_total{ReplicaId="hi3fdo4x"} 122.0
+ray_vllm_prefix_cache_hits_totalx 5
+"""
+
+
+def test_ceiling_of_the_default_workload():
+    assert h.prefix_ceiling(512, 64, 16, 128) == pytest.approx(512 / 576 * (1 - 16 / 128))
+    assert round(h.prefix_ceiling(512, 64, 16, 128), 3) == 0.778
+    assert h.prefix_ceiling(512, 64, 4, 32) == pytest.approx(0.7778, abs=1e-4)  # --quick keeps 8 prompts per prefix
+    assert h.prefix_ceiling(512, 64, 16, 16) == 0.0  # every prefix seen once: nothing can hit
+    with pytest.raises(ValueError):
+        h.prefix_ceiling(512, 64, 16, 8)
+
+
+def test_prometheus_sums_over_replicas_and_ignores_other_names():
+    got = h.parse_prometheus(SCRAPE)
+    assert got == {h.HITS: 32.0, h.QUERIES: 159.0}  # hits: only one replica has a series yet
+
+
+def test_prometheus_without_the_metrics_is_zero():
+    assert h.parse_prometheus("# nothing\nray_other_total 4\n") == {h.HITS: 0.0, h.QUERIES: 0.0}
+    assert h.parse_prometheus(f"{h.HITS} 7\n{h.QUERIES} 9 1796133600000\n") == {h.HITS: 7.0, h.QUERIES: 9.0}
+
+
+def test_hit_rate_delta():
+    before = {h.HITS: 32.0, h.QUERIES: 117.0}
+    after = {h.HITS: 13280.0, h.QUERIES: 18549.0}
+    d = h.hit_rate_delta(before, after)
+    assert (d["hits"], d["queries"]) == (13248.0, 18432.0)
+    assert d["hit_rate"] == pytest.approx(13248 / 18432)
+    assert h.hit_rate_delta(None, after)["hit_rate"] is None
+    assert h.hit_rate_delta(before, None)["hit_rate"] is None
+    assert h.hit_rate_delta(before, before)["hit_rate"] is None  # nothing queried
+    # a counter that went down (a replica restarted): no hit rate rather than a wrong one
+    assert h.hit_rate_delta(before, {h.HITS: 10.0, h.QUERIES: 500.0})["hit_rate"] is None
+
+
+BENCH_JSON = {
+    "date": "20261201-140529", "backend": "openai", "num_prompts": 32, "duration": 27.43, "completed": 32,
+    "failed": 0, "total_input_tokens": 18432, "total_output_tokens": 512, "output_throughput": 18.67,
+    "median_ttft_ms": 1688.36, "p50_ttft_ms": 1688.36, "p99_ttft_ms": 9256.97, "median_tpot_ms": 244.27,
+    "p99_tpot_ms": 471.06, "mean_ttft_ms": 2658.84,
+}
+
+
+def test_bench_result():
+    row = h.parse_bench_result(BENCH_JSON)
+    assert row["requests"] == 32 and row["errors"] == 0 and row["completed"] == 32
+    assert row["duration_s"] == 27.43 and row["output_tokens_per_s"] == 18.67
+    assert row["ttft_p50_s"] == pytest.approx(1.68836)
+    assert row["ttft_p99_s"] == pytest.approx(9.25697)
+    assert row["tpot_p50_s"] == pytest.approx(0.24427)
+    assert row["input_tokens"] == 18432
+
+
+def test_bench_result_with_failures_and_missing_percentiles():
+    row = h.parse_bench_result({"duration": 3.0, "completed": 5, "failed": 3, "output_throughput": 1.0})
+    assert row["requests"] == 8 and row["errors"] == 3
+    assert row["ttft_p50_s"] is None and row["tpot_p50_s"] is None
+
+
+def test_chat_summary():
+    summary = {"requests": 13, "ok": 12, "errors": 1, "aborted": 1, "duration_s": 15.5, "ttft_p50_s": 1.27,
+               "ttft_p99_s": 2.74, "tpot_p50_s": 0.12, "output_tokens_per_s": 13.4, "prompt_tokens": 4646,
+               "completion_tokens": 208, "hit_rate": 0.0}
+    row = h.parse_chat_summary(summary)
+    assert row["errors"] == 2  # failed + cut off
+    assert (row["requests"], row["duration_s"], row["ttft_p99_s"]) == (13, 15.5, 2.74)
+    assert row["client_hit_rate"] == 0.0
+
+
+def test_table_and_report():
+    good = {"system": "ray-llm-prefix", "requests": 32, "duration_s": 29.33, "hit_rate": 0.7778,
+            "ttft_p50_s": 1.817, "ttft_p99_s": 10.416, "tpot_p50_s": 0.257, "output_tokens_per_s": 17.46,
+            "errors": 0, "startup_s": 107.2}
+    failed = {"system": "prefixgate-vllm", "startup_s": None, "note": "did not start: exited with 2 | usage"}
+    table = h.format_table([good, failed])
+    lines = table.splitlines()
+    assert lines[0].startswith("| system | requests | run time | hit rate | TTFT p50 | TTFT p99 | TPOT p50 | out tok/s | errors")
+    assert lines[2].startswith("| ray-llm-prefix | 32 | 29.3s | 77.8% | 1.817s | 10.416s | 0.257s | 17.5 | 0 | 107s |")
+    assert lines[3].startswith("| prefixgate-vllm | - | - | - |")
+    assert "did not start: exited with 2 / usage" in lines[3]  # a '|' cannot break the table
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+    result = {"started": "now", "clients": ["bench", "chat"], "ceiling": h.prefix_ceiling(512, 64, 16, 128),
+              "settings": {"replicas": 2, "model_name": "M", "pool_tokens": 6144, "vllm_block_size": 32,
+                           "ours_block_size": 16, "max_model_len": 2048, "bench": vars(h.BenchSpec()),
+                           "chat": h.chat_load(False)},
+              "tables": {"bench": [good], "chat": [failed]}}
+    md = h.report_markdown(result)
+    assert "512/576 x (1 - 16/128) = 77.8%" in md
+    assert "## bench" in md and "## chat" in md and "192 blocks of 32" in md and "384 of 16" in md
+    assert "2-6 turns" in md
+
+
+def test_tables_mark_a_system_that_did_not_start():
+    systems = [{"system": "a", "startup_s": 10.0, "clients": {"bench": {"requests": 4, "hit_rate": 0.5}}},
+               {"system": "b", "start_error": "exited with 2", "clients": {}}]
+    t = h.tables(systems, ["bench", "chat"])
+    assert [r["system"] for r in t["bench"]] == ["a", "b"]
+    assert t["bench"][0]["hit_rate"] == 0.5 and t["bench"][0]["startup_s"] == 10.0
+    assert t["bench"][1]["note"] == "did not start: exited with 2"
+    assert t["chat"][0]["system"] == "a" and "requests" not in t["chat"][0]
+
+
+def test_bench_command_line():
+    argv = h.BenchSpec().argv("http://127.0.0.1:9", "SmolLM2-135M-Instruct", "/models/smol", Path("/tmp/r"))
+    joined = " ".join(argv)
+    for part in ("bench serve", "--backend openai", "--endpoint /v1/completions", "--dataset-name prefix_repetition",
+                 "--prefix-repetition-prefix-len 512", "--prefix-repetition-suffix-len 64",
+                 "--prefix-repetition-num-prefixes 16", "--prefix-repetition-output-len 16", "--num-prompts 128",
+                 "--max-concurrency 8", "--ignore-eos", "--seed 0", "--save-result", "--result-dir /tmp/r",
+                 "--model SmolLM2-135M-Instruct", "--tokenizer /models/smol", "--base-url http://127.0.0.1:9",
+                 "--metric-percentiles 50,90,99"):
+        assert part in joined
+    assert "import importlib.metadata" in h.VLLM_CLI and '+ "+cpu"' in h.VLLM_CLI
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(quick=False, prefix_len=512, suffix_len=64, num_prefixes=None, output_len=16, num_prompts=None,
+                max_concurrency=8, seed=0, replicas=2, pool_tokens=6144, max_model_len=2048,
+                model_name=h.MODEL_NAME, model="/models/smol", chat_set=[], prefixgate="/venv/bin/prefixgate",
+                vllm_python="/venv-vllm/bin/python")
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_settings_defaults_quick_and_overrides():
+    s = h.settings_from_args(_args())
+    assert (s.bench.num_prompts, s.bench.num_prefixes) == (128, 16)
+    assert s.num_blocks(32) == 192 and s.num_blocks(16) == 384
+    q = h.settings_from_args(_args(quick=True, chat_set=["users=3", "think-max=0.5", "workload=chat"]))
+    assert (q.bench.num_prompts, q.bench.num_prefixes) == (32, 4)
+    assert q.chat["users"] == 3 and q.chat["think_max"] == 0.5 and q.chat["turns_min"] == 2
+    LoadSpec(**q.chat)  # every chat field is a LoadSpec field
+    with pytest.raises(SystemExit):
+        h.settings_from_args(_args(chat_set=["nonsense=1"]))
+
+
+def test_system_command_lines(monkeypatch):
+    ports = iter(range(41000, 41100))
+    monkeypatch.setattr(h, "free_port", lambda: next(ports))
+    s = h.settings_from_args(_args())
+    a = _args()
+    ours = h.system_for("prefixgate-ours", s, a)
+    assert ours.argv[:2] == ["/venv/bin/prefixgate", "serve"]
+    joined = " ".join(ours.argv)
+    assert "--engine model" in joined and "--block-size 16 --num-blocks 384" in joined and "--policy affinity" in joined
+    assert f"--port {ours.port} --metrics-port {ours.metrics_port}" in joined
+    vllm = " ".join(h.system_for("prefixgate-vllm", s, a).argv)
+    assert "--engine vllm" in vllm and "--replicas 2" in vllm and "--block-size 32 --num-blocks 192" in vllm
+    ray = h.system_for("ray-llm-pow2", s, a)
+    assert ray.argv[0] == "/venv-vllm/bin/python" and ray.argv[1].endswith("loadtest/ray_llm_app.py")
+    assert "--router pow2" in " ".join(ray.argv) and "--num-blocks 192" in " ".join(ray.argv)
+    assert ray.metrics_url == f"http://127.0.0.1:{ray.metrics_port}/metrics"
+    assert "--router prefix" in " ".join(h.system_for("ray-llm-prefix", s, a).argv)
+
+
+# ---- uneven session lengths (loadtest/workload.py) ----------------------------------------------
+def test_chat_turns_fixed_unless_turns_min():
+    assert {chat_turns(0, u, j, 5) for u in range(10) for j in range(3)} == {5}
+    assert chat_turns(0, 1, 1, 5, turns_min=5) == 5 and chat_turns(0, 1, 1, 5, turns_min=9) == 5
+
+
+def test_chat_turns_uneven_and_reproducible():
+    draws = [chat_turns(0, u, j, 6, turns_min=2) for u in range(40) for j in range(2)]
+    assert draws == [chat_turns(0, u, j, 6, turns_min=2) for u in range(40) for j in range(2)]
+    assert min(draws) >= 2 and max(draws) <= 6
+    assert len(Counter(draws)) >= 4  # really uneven
+    assert draws != [chat_turns(1, u, j, 6, turns_min=2) for u in range(40) for j in range(2)]  # seeded
+
+
+def test_load_spec_passes_turns_min_to_locust():
+    argv = LoadSpec(turns=6, turns_min=2).locust_argv("http://x", Path("/tmp/o"), "p")
+    assert argv[argv.index("--turns-min") + 1] == "2" and argv[argv.index("--turns") + 1] == "6"
