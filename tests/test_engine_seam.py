@@ -1,0 +1,116 @@
+"""The engine seam's pure rules (no Ray, no vLLM): which backend settings name, what a vLLM
+app is refused for before any replica starts, pull hints only between replicas that can pull,
+and vLLM's min_tokens / ignore_eos on our engine's sampler and through the gateway's schema."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gateway.app import vllm_settings
+from gateway.config import AppConfig
+from gateway.openai_models import CompletionRequest
+from replica.deployment import ReplicaSettings
+from replica.engine_protocol import Capabilities, EngineBackend, ModelFacts
+from replica.local_backend import LocalBackend
+from replica.sampler import Sampler
+from replica.sampling_params import SamplingParams
+from router.decider import Decider
+from router.policy import AffinityPullPolicy, ReplicaView, RouteRequest
+
+
+def test_settings_name_one_backend():
+    assert ReplicaSettings().engine_name == "model"
+    assert ReplicaSettings(sim={}).engine_name == "sim"
+    assert ReplicaSettings(vllm={}).engine_name == "vllm"
+    with pytest.raises(ValueError, match="not both"):
+        ReplicaSettings(sim={}, vllm={}).engine_name  # noqa: B018
+
+
+def test_vllm_block_size_defaults_to_32_and_16_is_refused_before_start():
+    assert AppConfig(engine="vllm").block_size == 32 and AppConfig().block_size == 16
+    assert vllm_settings(AppConfig(engine="vllm", kv_cache_mb=1536))["cpu_kvcache_gib"] == 2
+    with pytest.raises(ValueError, match="multiple of 32"):
+        vllm_settings(AppConfig(engine="vllm", block_size=16))
+    with pytest.raises(ValueError, match="unknown engine"):
+        AppConfig(engine="tensorrt")
+    with pytest.raises(TypeError):
+        vllm_settings(AppConfig(engine="vllm", vllm={"no_such_knob": 1}))
+
+
+def test_pull_hints_only_between_replicas_that_can_pull():
+    """The deepest holder cannot export (a vLLM replica): no pull is offered from it; a
+    replica that cannot import is never told to pull, even from one that can export."""
+    policy = AffinityPullPolicy(seed=0)
+    request = RouteRequest(block_hashes=list(range(40)), num_prompt_tokens=40 * 16, block_size=16)
+    holder = ReplicaView("vllm-a", matched_blocks=40, running=8, waiting=8, kv_pull=False)
+    idle = ReplicaView("ours-b", matched_blocks=0)
+    decision = policy.decide(request, [holder, idle])
+    assert decision.pull_from is None and decision.pull_blocks == 0
+    exporter = ReplicaView("ours-a", matched_blocks=40, running=8, waiting=8)
+    cannot_import = ReplicaView("vllm-b", matched_blocks=0, kv_pull=False)
+    decision = policy.decide(request, [exporter, cannot_import])
+    assert decision.pull_from is None or decision.replica_id != "vllm-b"
+    able = ReplicaView("ours-b", matched_blocks=0)
+    assert AffinityPullPolicy(seed=0).decide(request, [exporter, able]).pull_from == "ours-a"  # the same case pulls
+
+
+def test_decider_reads_kv_pull_from_the_heartbeat():
+    d = Decider.__new__(Decider)
+
+    class Loads:
+        def get(self, rid):
+            return {"vllm": {"running": 1, "kv_pull": 0}, "ours": {"running": 1, "kv_pull": 1}}.get(rid)
+
+    d.loads = Loads()
+    assert d._view("ours", 0, 0, {}).kv_pull and not d._view("vllm", 0, 0, {}).kv_pull
+    assert not d._view("gone", 0, 0, {"running": 4}).kv_pull  # no heartbeat: no pull either
+
+
+class _Row:
+    def __init__(self, rid, params, out):
+        self.request_id, self.params, self.prompt_token_ids, self._out = rid, params, [1, 2], out
+
+    @property
+    def output_token_ids(self):
+        return self._out
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 5.0  # EOS is the argmax
+    logits[:, 3] = 4.0  # then a stop token id
+    sampler = Sampler(eos_token_ids=[7])
+    rows = [
+        _Row("early", SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=[3]), [5]),
+        _Row("reached", SamplingParams(max_tokens=8, min_tokens=1, stop_token_ids=[3]), [5]),
+        _Row("ignore", SamplingParams(max_tokens=8, min_tokens=4, ignore_eos=True), [5]),
+    ]
+    out = sampler.sample(logits, rows)
+    assert out.token_ids == [0, 7, 7]  # masked: neither 7 nor 3; reached: EOS; ignore_eos: EOS not masked
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_gateway_passes_ignore_eos_and_min_tokens_to_the_engine():
+    body = CompletionRequest(model="m", prompt="x", max_tokens=8, ignore_eos=True, min_tokens=3)
+    assert body.engine_params() == {"ignore_eos": True, "min_tokens": 3}
+    assert CompletionRequest(model="m", prompt="x").engine_params() == {}
+
+
+def test_our_backends_implement_the_protocol_and_declare_pulls(tiny_model_dirs):
+    from replica.engine import LLMEngine
+    from replica.sim_engine import SimEngine
+
+    sim = LocalBackend(SimEngine(num_blocks=32), "sim")
+    real = LocalBackend(LLMEngine(next(iter(tiny_model_dirs.values())), num_blocks=32), "model")
+    try:
+        for backend in (sim, real):
+            assert isinstance(backend, EngineBackend)
+            assert isinstance(backend.facts, ModelFacts) and backend.facts.pool_tokens == 32 * backend.facts.block_size
+            assert backend.capabilities.kv_pull
+        assert real.capabilities.logprobs and not sim.capabilities.logprobs
+        assert not Capabilities().kv_pull
+    finally:
+        sim.shutdown()
+        real.shutdown()

@@ -1,0 +1,204 @@
+"""vLLM replicas behind prefixgate (`--engine vllm`), for real: two replicas of vLLM's CPU engine
+(the vLLM venv that `make install` builds, docs/vllm.md) beside the session stack, under the
+same gateway and router code. Greedy output equals vLLM serving the prompts alone; routing finds
+vLLM's blocks through its KV events; the heartbeat carries vLLM's load and says no pulls; a
+replica killed mid-stream loses nothing; bad input gets the same 4xx as on our engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections import Counter
+
+import httpx
+import psutil
+import pytest
+import redis
+from hypothesis import given, settings
+
+from gateway.config import AppConfig
+from replica.vllm_settings import vllm_python
+from router.protocol.redis_schema import RedisKeys
+from tests.conftest import side_app
+from tests.test_faults import _assert_well_formed, _stream, _take
+from tests.test_fuzz_api import CHAT_FIELDS, COMPLETION_FIELDS, FUZZ, _fuzz, bodies
+from tests.test_gateway_e2e import MODEL
+
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS = 96  # per replica, 32-token blocks: 3,072 tokens each
+BLOCK = 32
+PREAMBLE = ("You are the harbour master's assistant. Answer questions about tides, moorings, pilotage and the "
+            "rules of the port precisely and briefly. ") * 6
+
+
+def _vllm_python() -> str:
+    py = vllm_python()
+    assert "vllm" in py and os.path.exists(py), f"the vLLM venv is missing ({py}): run `make install` (scripts/bootstrap.sh)"
+    return py
+
+
+@pytest.fixture(scope="module")
+def vllm_app(stack):
+    """Two vLLM replicas with their own gateway at /vllm, on the session's Ray and Redis."""
+    _vllm_python()
+    config = AppConfig(engine="vllm", replicas=2, num_blocks=NUM_BLOCKS, max_model_len=2048, default_max_tokens=32,
+                       redis_url=stack.config.redis_url, key_prefix=f"vllm-{uuid.uuid4().hex[:6]}", policy="affinity")
+    with side_app(stack, "vllm", config) as url:
+        yield url, config
+
+
+def _heartbeats(config) -> dict[str, dict]:
+    client = redis.Redis.from_url(config.redis_url, decode_responses=True)
+    keys = RedisKeys(config.key_prefix)
+    beats = {rid: client.hgetall(keys.heartbeat(rid)) for rid in client.smembers(keys.replicas)}
+    return {rid: hb for rid, hb in beats.items() if hb.get("capacity_blocks")}
+
+
+def _eventually(cond, what: str, timeout_s: float = 120.0):
+    """Wait for a condition; the deadline only guards against a hang."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _complete(url: str, prompt, max_tokens: int = 12, **extra) -> dict:
+    r = httpx.post(f"{url}/v1/completions", timeout=180,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_vllm_replicas_publish_load_and_blocks_the_router_routes_by(vllm_app):
+    """Both replicas heartbeat vLLM's pool (96 blocks) and kv_pull=0; a prompt's repeat with
+    another ending goes to the replica holding its leading blocks (found through vLLM's KV
+    events, re-hashed with our spec), and usage reports vLLM's cached tokens."""
+    url, config = vllm_app
+    beats = _eventually(lambda: (b := _heartbeats(config)) and len(b) == 2 and b, "two vLLM heartbeats")
+    for hb in beats.values():
+        assert int(hb["capacity_blocks"]) == NUM_BLOCKS and hb["kv_pull"] == "0", hb
+        assert int(hb["free_blocks"]) <= NUM_BLOCKS and "running" in hb and "pending_prefill_tokens" in hb
+    tag = uuid.uuid4().hex[:8]
+    first = _complete(url, f"[{tag}] {PREAMBLE} Question: when is high water?")
+    holder = first["prefixgate"]["replica"]
+    keys = RedisKeys(config.key_prefix)
+    client = redis.Redis.from_url(config.redis_url, decode_responses=True)
+    # the holder's cached-block count grows once its events are published
+    _eventually(lambda: int(client.hget(keys.heartbeat(holder), "cached_blocks") or 0) >= 3, "the prefix's blocks in the heartbeat", 30)
+    again = _complete(url, f"[{tag}] {PREAMBLE} Question: where do pilots board?")
+    route = again["prefixgate"]["route"]
+    assert again["prefixgate"]["replica"] == holder and route["reason"] == "prefix", route
+    assert route["matched_blocks"] >= 3, route
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 3 * BLOCK and cached % BLOCK == 0, again["usage"]
+
+
+def test_greedy_through_prefixgate_equals_vllm_alone(vllm_app, default_model_dir):
+    """The same prompts, greedy, through gateway -> router -> vLLM replica and through vLLM's own
+    offline engine started alone with the same settings: identical text and token counts."""
+    url, _ = vllm_app
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = ["The capital of France is", "Once upon a time, a lighthouse keeper", f"{PREAMBLE} Question: what is a spring tide?"]
+    prompts = [tok.encode(t) for t in texts]
+    ours = [_complete(url, ids, max_tokens=24, ignore_eos=True) for ids in prompts]
+    job = {"model": default_model_dir, "prompts": prompts, "max_tokens": 24, "ignore_eos": True, "block_size": BLOCK,
+           "num_blocks": NUM_BLOCKS}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PYTEST"))}
+    done = subprocess.run([_vllm_python(), "-m", "tests.vllm_reference"], input=json.dumps(job), capture_output=True,
+                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("REFERENCE ")]  # vLLM logs to stdout too
+    reference = json.loads(line.removeprefix("REFERENCE "))["outputs"]
+    for got, ref_ids in zip(ours, reference, strict=True):
+        assert got["usage"]["completion_tokens"] == len(ref_ids)
+        assert got["choices"][0]["text"] == tok.decode(ref_ids, skip_special_tokens=True), (got, ref_ids)
+
+
+def test_vllm_replica_killed_mid_stream_the_stream_completes_identical(vllm_app):
+    """SIGKILL the vLLM replica serving a greedy stream: the gateway continues it on the other
+    replica (a longer prompt there), the text equals an undisturbed run, one [DONE], usage right;
+    the killed replica's vLLM engine process does not outlive it."""
+    url, config = vllm_app
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story about a harbour at night."}],
+            "max_tokens": 48, "stream": True, "temperature": 0, "stream_options": {"include_usage": True}}
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=300) as client:
+            reference = await _stream(client, url, body)
+            _assert_well_formed(reference)
+            lines: list[str] = []
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                victim = r.headers["x-prefixgate-replica"]
+                pid = int(_heartbeats(config)[victim]["pid"])
+                engine_procs = psutil.Process(pid).children(recursive=True)
+                it = r.aiter_lines()
+                async for line in it:
+                    lines.append(line)
+                    if sum(x.startswith("data: {") for x in lines) >= 4:
+                        break
+                os.kill(pid, signal.SIGKILL)
+                lines += [line async for line in it]
+            return reference, lines, engine_procs
+
+    reference, lines, engine_procs = asyncio.run(asyncio.wait_for(scenario(), timeout=600))
+    disturbed = {"status": 200, "text": "", "finish": [], "usage": None, "errors": [], "done_at": [], "lines": 0}
+    for line in (x for x in lines if x):
+        disturbed["lines"] += 1
+        if line == "data: [DONE]":
+            disturbed["done_at"].append(disturbed["lines"])
+        elif line.startswith("data: "):
+            _take(disturbed, json.loads(line[6:]))
+    _assert_well_formed(disturbed)
+    assert disturbed["text"] == reference["text"]
+    assert disturbed["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
+    assert engine_procs, "a vLLM replica runs its engine core in a child process"
+    _, alive = psutil.wait_procs(engine_procs, timeout=60)
+    assert not alive, f"vLLM engine processes outlived their replica: {alive}"
+    # Serve replaces the dead replica; the next test needs both
+    _eventually(lambda: len(_heartbeats(config)) == 2, "the replacement's heartbeat", 300)
+
+
+BAD = [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 8, "min_tokens": 9}, "min_tokens"),
+    ({"prompt": "hi", "max_tokens": 4, "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "hi", "max_tokens": 4, "logprobs": 21}, "logprobs"),
+    ({"prompt": [49152], "max_tokens": 4}, "prompt"),
+    ({"prompt": "word " * 3000, "max_tokens": 4}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"prompt": "hi", "max_tokens": 4, "temperature": -1}, "temperature"),
+]
+
+
+@pytest.mark.parametrize("body,what", BAD, ids=[w for _, w in BAD])
+def test_bad_input_gets_an_openai_4xx_on_vllm(vllm_app, body, what):
+    url, _ = vllm_app
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body}, timeout=120)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"], error
+
+
+@settings(FUZZ, max_examples=12)
+@given(raw=bodies(COMPLETION_FIELDS))
+def test_fuzz_completions_on_vllm(vllm_app, raw: bytes) -> None:
+    _fuzz(vllm_app[0], "/v1/completions", raw, Counter())
+
+
+@settings(FUZZ, max_examples=12)
+@given(raw=bodies(CHAT_FIELDS))
+def test_fuzz_chat_on_vllm(vllm_app, raw: bytes) -> None:
+    _fuzz(vllm_app[0], "/v1/chat/completions", raw, Counter())
