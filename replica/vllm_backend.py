@@ -39,6 +39,7 @@ from replica.request_metrics import RequestMetrics
 from replica.sampling_params import SamplingParams
 from replica.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings
 from router.protocol.events import decode_batch
+from router.protocol.hashing import block_hashes
 from router.vllm_events import EventTranslator
 
 log = logging.getLogger("prefixgate.replica.vllm")
@@ -216,10 +217,14 @@ class VllmBackend:
         if prefix:
             text = self.tokenizer.decode(prefix, skip_special_tokens=True)
             unsent = text[len(text) if prefix_text_len is None else max(0, prefix_text_len):]
-        inputs: dict[str, Any] = {"prompt_token_ids": prompt + prefix}
+        full = prompt + prefix
+        inputs: dict[str, Any] = {"prompt_token_ids": full}
         if cache_salt is not None:
             inputs["cache_salt"] = cache_salt
-        state = self._inflight[request_id] = _InFlight(prompt_tokens=len(prompt) + len(prefix), arrival=time.monotonic())
+        # pending prefill: what vLLM will compute, i.e. the prompt less the leading blocks it holds
+        hashes = block_hashes(full, self.facts.block_size, self.translator.chain_root(cache_salt))
+        held = min(self.translator.leading_held(hashes) * self.facts.block_size, len(full) - 1)
+        state = self._inflight[request_id] = _InFlight(prompt_tokens=len(full) - held, arrival=time.monotonic())
         token_ids = list(prefix)
         text_so_far = ""
         try:

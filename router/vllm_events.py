@@ -78,14 +78,24 @@ class EventTranslator:
         self.seed = chain_seed(model_id, cache_salt)
         self._seeds: dict[str | None, int] = {cache_salt: self.seed}
         self._ours: dict[BlockHash, tuple[int, int]] = {}  # vLLM hash -> (our hash, block position)
+        self._held: set[int] = set()  # our hashes of what vLLM holds
         self.stats = AdapterStats()
+
+    def leading_held(self, hashes: list[int]) -> int:
+        """How many of a prompt's leading blocks (our hashes) vLLM holds now."""
+        n = 0
+        for h in hashes:
+            if h not in self._held:
+                break
+            n += 1
+        return n
 
     def held(self) -> list[tuple[int, int]]:
         """(our hash, position) of every block vLLM holds now, as far as its events told: what a
         publisher's full resync writes."""
         return [(h, pos) for h, pos in self._ours.values() if pos < self.depth]
 
-    def _chain_root(self, salt: str | None) -> int:
+    def chain_root(self, salt: str | None) -> int:
         if salt is None:
             return self.seed
         if salt not in self._seeds:
@@ -117,11 +127,13 @@ class EventTranslator:
                     out.append(("+", ours))
             elif isinstance(event, BlockRemoved):
                 ours = [self._ours.pop(h) for h in event.block_hashes if h in self._ours]
+                self._held.difference_update(h for h, _ in ours)
                 self.stats.removed += len(ours)
                 if ours:
                     out.append(("-", ours))
             elif isinstance(event, AllBlocksCleared):
                 self._ours.clear()
+                self._held.clear()
                 self.stats.clears += 1
                 out.append(("clear", []))
         return out
@@ -137,7 +149,7 @@ class EventTranslator:
             self.stats.skipped += n
             return []
         if event.parent_block_hash is None:  # a tenant's prompt starts from its own salted root
-            parent, position = self._chain_root(event.cache_salt()), 0
+            parent, position = self.chain_root(event.cache_salt()), 0
         elif event.parent_block_hash in self._ours:
             parent, parent_pos = self._ours[event.parent_block_hash]
             position = parent_pos + 1
@@ -149,6 +161,7 @@ class EventTranslator:
         published = []
         for i, (theirs, mine) in enumerate(zip(event.block_hashes, ours, strict=True)):
             self._ours[theirs] = (mine, position + i)
+            self._held.add(mine)
             if position + i < self.depth:
                 published.append((mine, position + i))
         self.stats.stored += len(published)
