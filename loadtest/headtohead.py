@@ -646,10 +646,18 @@ def cmd_headtohead(args: argparse.Namespace) -> int:
     t0 = time.time()
     result = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv, "settings": asdict(s),
               "systems_run": systems, "clients": clients, "ceiling": ceiling, "systems": []}
-    for name in systems:
-        result["systems"].append(run_system(name, s, clients, out / name, args))
+    try:
+        for name in systems:
+            result["systems"].append(run_system(name, s, clients, out / name, args))
+            result["tables"] = tables(result["systems"], clients)
+            (out / "headtohead.json").write_text(json.dumps(result, indent=2))  # partial results survive a crash
+    except KeyboardInterrupt as e:  # the running row was stopped on the way out (run_system's finally)
+        result["interrupted"] = str(e) or "SIGINT"
         result["tables"] = tables(result["systems"], clients)
-        (out / "headtohead.json").write_text(json.dumps(result, indent=2))  # partial results survive a crash
+        (out / "headtohead.json").write_text(json.dumps(result, indent=2))
+        print(f"[headtohead] interrupted ({result['interrupted']}); finished rows in {out / 'headtohead.json'}",
+              file=sys.stderr, flush=True)
+        return 130
     result["elapsed_s"] = time.time() - t0
     result["tables"] = tables(result["systems"], clients)
     (out / "headtohead.json").write_text(json.dumps(result, indent=2))
