@@ -146,18 +146,25 @@ class RequestRun:
 
     async def sse(self) -> AsyncIterator[str]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        # no chunk with choices before a choice's first token (its TTFT means a token): the
+        # assistant role rides on the first delta of each choice, not on a chunk of its own
+        roled: set[int] = set()
+
+        def delta(i: int, content: dict) -> dict:
+            if i in roled:
+                return content
+            roled.add(i)
+            return {"role": "assistant", **content}
+
         try:
-            if self.chat:
-                for i in range(len(self.streams)):
-                    yield self._sse([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             async for i, chunk in self._merged():
                 if chunk["type"] == "delta" and (chunk["text"] or chunk.get("logprobs")):
-                    piece = {"delta": {"content": chunk["text"]}} if self.chat else {"text": chunk["text"]}
+                    piece = {"delta": delta(i, {"content": chunk["text"]})} if self.chat else {"text": chunk["text"]}
                     yield self._sse([{"index": i, **piece, "finish_reason": None,
                                       "logprobs": self.logprobs.piece(i, chunk)}])
                 elif chunk["type"] == "end":
                     self._account(i, chunk)
-                    piece = {"delta": {}} if self.chat else {"text": ""}
+                    piece = {"delta": delta(i, {})} if self.chat else {"text": ""}
                     yield self._sse([{"index": i, **piece, "finish_reason": chunk["finish_reason"], "logprobs": None}])
                 elif chunk["type"] == "error":
                     err = _error(chunk)

@@ -47,8 +47,11 @@ LOOKUP_TIMEOUT_S = 0.05
 INDEX_BUCKETS = 16
 
 # How long an in-flight key ({p:bK}:fl:{hash}) and a router's own in-flight memory last: long
-# enough for a replica to finish the prefill and publish its blocks.
-INFLIGHT_TTL_S = 3.0
+# enough for a replica to finish the prefill and publish its blocks, its queue included. On a
+# loaded CPU replica a prompt can wait well over 3 s (the old value) before it is computed, and
+# the next request of the same new prefix then looked cold everywhere and was computed twice
+# (docs/vllm.md). A mark outliving an aborted request costs at most one miss.
+INFLIGHT_TTL_S = 20.0
 
 # Defined once, by the dataclass: the publisher writes these, the load table reads them.
 HEARTBEAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Heartbeat))
