@@ -22,7 +22,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
 CLUSTER_FILES = ["cluster.yaml", "cluster-onprem.yaml"]
-SERVE_FILES = ["serve-config.yaml", "serve-local.yaml"]
+SERVE_FILES = ["serve-config.yaml", "serve-local.yaml", "serve-vllm.yaml"]
 
 
 def load(name: str) -> dict:
@@ -204,6 +204,8 @@ def test_serve_config_builds(name, monkeypatch):
     assert replica.num_replicas == args["replicas"]
     assert replica.ray_actor_options["num_gpus"] == args["replica_num_gpus"]
     assert replica.ray_actor_options.get("resources", {}) == args.get("replica_resources", {})
+    if args.get("engine") == "vllm":  # vLLM replicas run in the vLLM venv's interpreter
+        assert replica.ray_actor_options["runtime_env"]["py_executable"].endswith(".venv-vllm/bin/python")
     if name == "serve-config.yaml":  # the password reaches the app only through the environment
         assert "${PREFIXGATE_REDIS_PASSWORD}" in args["redis_url"]
         assert AppConfig.from_dict(args).redis_url == f"redis://:{'f00d' * 16}@10.0.0.10:6379/0"
