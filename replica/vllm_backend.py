@@ -91,6 +91,7 @@ class _InFlight:
     arrival: float
     first_token: float | None = None
     handed_off: str | None = None  # hand_off's reason: the stream ends with EngineDeadError
+    hashes: list[int] = dataclasses.field(default_factory=list)  # its full blocks (our hashes)
 
 
 class VllmBackend:
@@ -105,6 +106,7 @@ class VllmBackend:
         self._events = events
         self._listeners: list[KVEventListener] = []
         self._inflight: dict[str, _InFlight] = {}
+        self._inflight_blocks: dict[int, int] = {}  # block hash -> in-flight prompts holding it
         self._generated = 0
         self._stopped = False
         self._token_text = None
@@ -221,10 +223,17 @@ class VllmBackend:
         inputs: dict[str, Any] = {"prompt_token_ids": full}
         if cache_salt is not None:
             inputs["cache_salt"] = cache_salt
-        # pending prefill: what vLLM will compute, i.e. the prompt less the leading blocks it holds
+        # pending prefill: what vLLM will compute, i.e. the prompt less its leading blocks that
+        # vLLM holds or that an earlier prompt in flight here computes first (vLLM's token budget
+        # schedules that one ahead, so the follower hits them): a holder with a queue of one new
+        # prefix's requests is not priced as computing it once per request
         hashes = block_hashes(full, self.facts.block_size, self.translator.chain_root(cache_salt))
-        held = min(self.translator.leading_held(hashes) * self.facts.block_size, len(full) - 1)
-        state = self._inflight[request_id] = _InFlight(prompt_tokens=len(full) - held, arrival=time.monotonic())
+        held = max(self.translator.leading_held(hashes), self._leading_in_flight(hashes))
+        held = min(held * self.facts.block_size, len(full) - 1)
+        state = self._inflight[request_id] = _InFlight(prompt_tokens=len(full) - held, arrival=time.monotonic(),
+                                                       hashes=hashes)
+        for h in hashes:
+            self._inflight_blocks[h] = self._inflight_blocks.get(h, 0) + 1
         token_ids = list(prefix)
         text_so_far = ""
         try:
@@ -250,8 +259,10 @@ class VllmBackend:
                     logprobs=self._logprobs(new_ids, o.logprobs, params.logprobs) if params.logprobs is not None else None,
                 )
                 if finished:
+                    # vLLM's engine-core timestamps are time.monotonic() too (one clock per machine)
+                    scheduled = getattr(out.metrics, "scheduled_ts", 0.0) or None
                     result.metrics = RequestMetrics(
-                        arrival_time=state.arrival, first_scheduled_time=None, first_token_time=state.first_token,
+                        arrival_time=state.arrival, first_scheduled_time=scheduled, first_token_time=state.first_token,
                         finished_time=time.monotonic(), num_prompt_tokens=len(prompt),
                         num_cached_tokens=result.num_cached_tokens, num_generation_tokens=len(token_ids),
                     )
@@ -262,7 +273,24 @@ class VllmBackend:
                 raise EngineDeadError(state.handed_off)
             raise EngineDeadError("vLLM ended the stream without a final output")
         finally:
-            self._inflight.pop(request_id, None)
+            self._forget(request_id)
+
+    def _leading_in_flight(self, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._inflight_blocks:
+                break
+            n += 1
+        return n
+
+    def _forget(self, request_id: str) -> None:
+        state = self._inflight.pop(request_id, None)
+        for h in state.hashes if state is not None else ():
+            left = self._inflight_blocks[h] - 1
+            if left:
+                self._inflight_blocks[h] = left
+            else:
+                del self._inflight_blocks[h]
 
     async def _guarded(self, stream, request_id: str, state: _InFlight):
         """vLLM's stream, with its failures as ours: a dead engine is retryable elsewhere, a
