@@ -1,6 +1,7 @@
-"""SimEngine: a replica engine whose forward pass is a sleep of the modelled step time.
+"""SimEngine: our engine (replica/engine_core.py) whose forward pass is a sleep of the modelled
+step time (ServiceSleep, its StepExecutor).
 
-Everything but the model is real: the BlockManager (prefix cache, LRU, events to the
+Everything but the model is real and shared with LLMEngine: the BlockManager (prefix cache, LRU, events to the
 publisher), the Scheduler (chunked prefill, admission, preemption) and the usage accounting
 (`num_cached_tokens`). Each `step()` schedules as LLMEngine does, then sleeps what the
 service model (router/sim/service.py, the one the simulator uses) says that step costs, divided
@@ -25,19 +26,12 @@ from pathlib import Path
 
 import xxhash
 
-from replica.block_manager import BlockManager, KVEventListener
 from replica.detokenizer import Detokenizer
-from replica.engine_types import (
-    EngineStats,
-    InvalidRequestError,
-    RequestOutput,
-    request_output,
-    validate_request,
-)
+from replica.engine_core import EngineCore
+from replica.engine_types import RequestOutput
 from replica.sampling_params import SamplingParams
-from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from replica.scheduler import ScheduledChunk
 from replica.sequence import Sequence
-from router.protocol.hashing import block_hashes, chain_seed
 from router.sim.service import ServiceModel
 from router.transfer_model import TransferModel
 
@@ -163,29 +157,59 @@ class _WordTokenizer:
         return "".join(fake_token_text(t) for t in ids)
 
 
-class SimEngine:
-    """Duck-types LLMEngine for AsyncLLMEngine and the replica deployment."""
+class _WordDetokenizer(Detokenizer):
+    """Fake tokens are whole words: without stop strings to look for, a token's text is simply
+    appended (the fleet harness runs hundreds of these engines on a few cores)."""
+
+    def __init__(self) -> None:
+        super().__init__(_WordTokenizer())
+
+    def update(self, seq: Sequence, check_stops: bool = True) -> str | None:
+        if seq.params.stop or seq.detok_state is not None:
+            return super().update(seq, check_stops)
+        seq.output_text = _WordTokenizer.decode(seq.output_token_ids) if not seq.output_text else (
+            seq.output_text + fake_token_text(seq.token_ids[-1]))
+        return None
+
+
+class ServiceSleep:
+    """The simulated forward pass (a StepExecutor): sleep what the service model says the step
+    costs, then draw each sequence's deterministic fake token."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+        self.start = 0.0  # when this step was due (set by SimEngine.step)
+        self.wall = 0.0  # the last step's modelled wall time
+
+    def execute(self, chunks, admitted):
+        e = self.engine
+        self.wall = e.modelled_step_s(chunks, admitted) / e.config.time_scale
+        remaining = self.start + self.wall - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)
+        samplers = [c.seq for c in chunks if c.samples]
+        return samplers, [e.fake_token(seq) for seq in samplers], [None] * len(samplers)
+
+
+class SimEngine(EngineCore):
+    """Our engine (replica/engine_core.py) with its forward pass replaced by ServiceSleep."""
 
     def __init__(self, config: SimEngineConfig | None = None, **kwargs) -> None:
         self.config = config = config or SimEngineConfig(**kwargs)
         if config.time_scale <= 0:
             raise ValueError("time_scale must be positive")
-        self.model_id = config.model_id
-        self.max_model_len = config.max_model_len
-        self.vocab_size = config.vocab_size
         self.service = config.service_model()
         self.wall_service = self.service.scaled(config.time_scale)
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
-        self.detokenizer = Detokenizer(_WordTokenizer())
-        self.requests: dict[str, Sequence] = {}
+        self.sleep = ServiceSleep(self)
+        super().__init__(
+            model_id=config.model_id, block_size=config.block_size, num_blocks=config.num_blocks,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, vocab_size=config.vocab_size, eos_token_ids=set(),
+            detokenizer=_WordDetokenizer(), executor=self.sleep,
+        )
         self.lag = StepLag()
-        self._avoid = set(config.eos_token_ids)
+        self._avoid = set(config.eos_token_ids)  # never emitted, so never an end of sequence
         self._digest: dict[str, int] = {}  # request id -> prompt digest (seeds the fake tokens)
-        self._seeds: dict[str | None, int] = {}
-        self._scheduled_at: dict[str, float] = {}  # request id -> first time a step included it
-        self._steps = 0
-        self._generated = 0
         self._due: float | None = None  # modelled end of the last step, while work remains
         self.transfer = config.transfer_model()
         # hinted requests still "pulling": (wall time due, seq, blocks), in arrival order. As on
@@ -197,18 +221,6 @@ class SimEngine:
         self.pull_times: list[float] = []  # modelled seconds per pull (bounded below)
 
     # ---- submission ---------------------------------------------------------------------
-    def add_listener(self, listener: KVEventListener) -> None:
-        self.blocks.listeners.append(listener)
-
-    def hash_seed(self, cache_salt: str | None = None) -> int:
-        if cache_salt not in self._seeds:
-            self._seeds[cache_salt] = chain_seed(self.model_id, cache_salt)
-        return self._seeds[cache_salt]
-
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Refuse what could never run, before it touches the scheduler."""
-        validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.blocks)
-
     def add_request(
         self,
         prompt: str | Seq[int],
@@ -220,42 +232,21 @@ class SimEngine:
         kv_pull_blocks: int = 0,
     ) -> str:
         """As LLMEngine.add_request, token ids only (the gateway tokenises). `kv_pull_blocks`:
-        the router's pull hint, modelled (`_pull`)."""
-        if isinstance(prompt, str):
-            raise InvalidRequestError("the simulated engine takes token ids, not text")
-        params = params or SamplingParams()
-        token_ids = list(prompt)
-        self.validate(token_ids, params)
-        prefix = list(prefix_output_token_ids)
-        if prefix and (len(prefix) >= params.max_tokens or any(
-                not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in prefix)):
-            raise InvalidRequestError(f"prefix_output_token_ids must be shorter than max_tokens, in [0, {self.vocab_size})")
-        seed = self.hash_seed(cache_salt)
-        seq = Sequence(token_ids, params, seed, **({"request_id": request_id} if request_id else {}))
-        if seq.request_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {seq.request_id}")
-        if prefix:
-            seq.token_ids.extend(prefix)
-            seq.emitted_tokens = len(prefix)
-            seq.output_text = _WordTokenizer.decode(prefix)
-            self.detokenizer.update(seq)
-            sent = len(seq.output_text) if prefix_text_len is None else prefix_text_len
-            seq.emitted_text_len = max(0, min(sent, len(seq.output_text)))
-        seq.table.hashes = block_hashes(seq.token_ids, self.config.block_size, seed)
-        seq.arrival_time = time.monotonic()
-        self._digest[seq.request_id] = xxhash.xxh64_intdigest(array("I", token_ids).tobytes(), seed=params.seed or 0)
-        self.requests[seq.request_id] = seq
+        the router's pull hint, modelled (`_land_pulls`)."""
+        seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len)
+        self._digest[seq.request_id] = xxhash.xxh64_intdigest(array("I", seq.prompt_token_ids).tobytes(), seed=seq.params.seed or 0)
         bs = self.config.block_size
-        pull = min(kv_pull_blocks, len(seq.table.hashes), max(len(token_ids) - 1, 0) // bs)
+        pull = min(kv_pull_blocks, len(seq.table.hashes), max(seq.num_prompt_tokens - 1, 0) // bs)
         missing = sum(h not in self.blocks.hash_to_block for h in seq.table.hashes[:pull])
         if missing:
             pull_s = self.transfer.pull_s(missing * bs)
+            self.requests[seq.request_id] = seq
             self._pulling.append((time.monotonic() + pull_s / self.config.time_scale, seq, pull))
             self.pulls += 1
             if len(self.pull_times) < 100_000:
                 self.pull_times.append(pull_s)
         else:
-            self.scheduler.add(seq)
+            self.enqueue(seq)
         return seq.request_id
 
     def _land_pulls(self) -> None:
@@ -278,18 +269,21 @@ class SimEngine:
         }
 
     def abort(self, request_id: str) -> bool:
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return False
-        self._digest.pop(request_id, None)
-        self._scheduled_at.pop(request_id, None)
-        pulling = [p for p in self._pulling if p[1] is seq]
+        seq = self.requests.get(request_id)
+        pulling = [p for p in self._pulling if p[1] is seq] if seq is not None else []
         if pulling:  # never reached the scheduler
+            self.requests.pop(request_id, None)
+            self.forget(request_id)
             self._pulling.remove(pulling[0])
             seq.finish_reason = "abort"
             return True
-        self.scheduler.finish(seq, "abort")
-        return True
+        return super().abort(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self._digest.pop(request_id, None)
+
+    def queued_elsewhere(self) -> tuple[int, int]:
+        return len(self._pulling), sum(seq.num_tokens for _, seq, _ in self._pulling)  # a pulling request is queued work
 
     # ---- stepping -----------------------------------------------------------------------
     @property
@@ -312,33 +306,20 @@ class SimEngine:
         now = time.monotonic()
         # when the previous step left work, this one was due at that step's modelled end: a
         # late wake-up counts as lag, and a short late run is made up by sleeping less now
-        start = self._due if self._due is not None and self._due <= now else now
+        start = self.sleep.start = self._due if self._due is not None and self._due <= now else now
         self._land_pulls()
-        before = {id(s) for s in self.scheduler.running}
-        chunks = self.scheduler.schedule()
-        if not chunks:
+        steps = self._steps
+        outputs = super().step()
+        if self._steps == steps:  # nothing was scheduled
             self._due = None
             if self._pulling:  # idle until the next transfer lands: sleep, never spin
                 time.sleep(min(max(self._pulling[0][0] - time.monotonic(), 0.0), 0.01))
-            return []
-        admitted = {id(c.seq) for c in chunks} - before
-        for c in chunks:
-            self._scheduled_at.setdefault(c.seq.request_id, now)
-        modelled = self.modelled_step_s(chunks, admitted)
-        wall = modelled / self.config.time_scale
-        deadline = start + wall
-        remaining = deadline - time.monotonic()
-        if remaining > 0:
-            time.sleep(remaining)
-        self.scheduler.commit(chunks)
-        self._steps += 1
-        outputs = [self._sample(c.seq) for c in chunks if c.samples]
-        end = time.monotonic()
-        self.lag.record(wall, end - start)
-        self._due = deadline if self.scheduler.has_work else None
+            return outputs
+        self.lag.record(self.sleep.wall, time.monotonic() - start)
+        self._due = start + self.sleep.wall if self.scheduler.has_work else None
         return outputs
 
-    def _fake_token(self, seq: Sequence) -> int:
+    def fake_token(self, seq: Sequence) -> int:
         pos = seq.num_tokens
         digest = self._digest.get(seq.request_id, 0)
         token = xxhash.xxh64_intdigest(pos.to_bytes(8, "little"), seed=digest) % self.vocab_size
@@ -346,64 +327,5 @@ class SimEngine:
             token = (token + 1) % self.vocab_size
         return token
 
-    def _sample(self, seq: Sequence) -> RequestOutput:
-        token = self._fake_token(seq)
-        seq.token_ids.append(token)
-        self._generated += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        if seq.params.stop:
-            stopped = self.detokenizer.update(seq, check_stops=len(seq.output_token_ids) > seq.params.min_tokens) is not None
-        else:
-            seq.output_text += fake_token_text(token)
-            stopped = False
-        if stopped:
-            self.scheduler.finish(seq, "stop")
-        elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.scheduler.finish(seq, "length")
-        out = self._output(seq)
-        if seq.is_finished:
-            self.requests.pop(seq.request_id, None)
-            self._digest.pop(seq.request_id, None)
-        return out
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        scheduled_at = self._scheduled_at.pop(seq.request_id, None) if seq.is_finished else None
-        return request_output(seq, self.detokenizer.emittable(seq), scheduled_at)
-
-    def generate(
-        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
-        cache_salt: str | None = None,
-    ) -> list[RequestOutput]:
-        """Run token-id prompts to completion together; one output per prompt."""
-        param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        ids = [self.add_request(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, param_list, strict=True)]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
-
     def step_lag(self) -> dict[str, float | int | bool]:
         return self.lag.summary()
-
-    def stats(self) -> EngineStats:
-        b = self.blocks
-        return EngineStats(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting) + len(self._pulling),  # a pulling request is queued work
-            prompt_tokens=b.stats.queried_tokens,
-            cached_tokens=b.stats.hit_tokens,
-            blocks_total=b.num_blocks,
-            blocks_used=b.num_used,
-            blocks_cached=b.num_cached,
-            blocks_free=b.num_free,
-            evictions=b.stats.evictions,
-            preemptions=self.scheduler.num_preemptions,
-            pending_prefill_tokens=sum(
-                s.num_tokens - s.num_computed for s in (*self.scheduler.waiting, *self.scheduler.running)
-            ) + sum(seq.num_tokens for _, seq, _ in self._pulling),
-            steps=self._steps,
-            generated_tokens=self._generated,
-        )
