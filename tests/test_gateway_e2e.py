@@ -62,6 +62,12 @@ def test_streaming_and_non_streaming_agree(stack):
         usage = chunk.get("usage") or usage
     assert "".join(pieces) == plain
     assert finish in ("stop", "length") and usage["completion_tokens"] > 0
+    # no chunk with choices before the first token (a client's time to first chunk is its TTFT):
+    # the first one already carries text, and the assistant role rides on it
+    first = next(json.loads(x.removeprefix("data: ")) for x in lines[:-1] if json.loads(x.removeprefix("data: "))["choices"])
+    assert first["choices"][0]["delta"]["content"] and first["choices"][0]["delta"]["role"] == "assistant", first
+    roles = [c["delta"].get("role") for x in lines[:-1] for c in json.loads(x.removeprefix("data: "))["choices"]]
+    assert roles.count("assistant") == 1
 
 
 def test_completions_with_text_and_token_ids(stack):
