@@ -35,6 +35,7 @@ class LoadTable:
         self._loads: dict[str, dict[str, int]] = {}
         self._pessimistic: tuple[dict, dict[str, int]] | None = None  # (of which table, value)
         self._task: asyncio.Task | None = None
+        self._catch_up: asyncio.Task | None = None  # an immediate read for new candidates
         self._hb_keys: dict[str, bytes] = {}
         self.refreshes = 0
         self.updated_at = 0.0
@@ -49,6 +50,23 @@ class LoadTable:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
         return self._live
+
+    async def include(self, replica_ids: list[str]) -> None:
+        """Candidates the table has not read yet (a replacement, a scale-up) are read now,
+        once: otherwise the decisions until the next background refresh take them for unknown
+        (pessimistic) load, and a burst arriving with a new replica sends it nothing.
+        Concurrent callers share one read; costs nothing while the candidates are unchanged."""
+        if replica_ids != self._watched:
+            new = set(replica_ids) - self._live
+            self.watch(replica_ids)
+            if new:
+                self._catch_up = asyncio.get_running_loop().create_task(self.refresh())
+        if self._catch_up is None or self._catch_up.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._catch_up), self.index.config.timeout_s * 2)
+        except Exception:  # Redis slow or away: the decision goes on with what the table has
+            pass
 
     def get(self, replica_id: str) -> dict[str, int] | None:
         if time.monotonic() - self.updated_at > self.max_age_s:
@@ -111,6 +129,9 @@ class LoadTable:
                 parsed = parse_heartbeat(values)
                 if parsed is not None:
                     loads[rid] = parsed
+        if ids != self._watched:  # the candidates changed during the read (include()): keep what
+            # another read found for the ones this read did not cover
+            loads = {**{k: v for k, v in self._loads.items() if k in self._live}, **loads}
         self._loads = loads
         self.refreshes += 1
         self.updated_at = time.monotonic()

@@ -208,6 +208,7 @@ class PrefixGateRouter(RequestRouter):
                 # ReplicaID hash and a clock read each) would cost O(fleet) per decision
                 return self.replica_queue_len_cache.get(by_id[rid].replica_id) or 0
 
+            await self.loads.include(ids)  # a new replica's load, before it is scored
             try:
                 look = await self.index.lookup(route.block_hashes, None, route.session_id)
             except IndexUnavailable:

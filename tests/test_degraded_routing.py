@@ -174,3 +174,48 @@ def test_a_timed_out_lookup_keeps_the_load_table(redis_server):
             await index.close()
 
     asyncio.run(scenario())
+
+
+def test_a_new_replica_is_read_before_its_first_decision(redis_server):
+    """A replacement appears among the candidates: the first decision that sees it reads its
+    heartbeat at once (one shared read for a burst), so a burst of cold requests is spread by
+    load instead of avoiding it as unknown until the next background refresh (60 s here)."""
+    import uuid
+
+    import redis
+
+    from router.protocol.redis_schema import HEARTBEAT_FIELDS, RedisKeys
+
+    prefix = f"new-{uuid.uuid4().hex[:6]}"
+    keys = RedisKeys(prefix)
+    sync = redis.Redis.from_url(redis_server.url)
+    for rid, load in (("old", {"running": 6, "waiting": 2, "pending_prefill_tokens": 900}), ("new", {})):
+        sync.hset(keys.heartbeat(rid), mapping={f: load.get(f, 0) for f in HEARTBEAT_FIELDS})
+
+    async def scenario():
+        index = RedisIndex(RedisConfig(redis_server.url, prefix))
+        table = LoadTable(index, refresh_s=60.0, seed=0)
+        decider = Decider(make_policy("affinity", seed=0), table, InflightPrefixes(3.0, keep_s=30.0))
+        try:
+            table.watch(["old"])
+            await table.refresh()
+            assert table.get("new") is None  # never read: unknown, priced as the busiest
+            seen = []
+
+            async def decision_time():  # each of a burst waits for the one shared read
+                await table.include(["old", "new"])
+                seen.append(table.get("new"))
+
+            await asyncio.gather(*(decision_time() for _ in range(8)))
+            assert seen == [{f: 0 for f in HEARTBEAT_FIELDS}] * 8
+            first = table._catch_up
+            look = await index.lookup([11, 12, 13])
+            routed = decider.score(_route([11, 12, 13], None), ["old", "new"], look, lambda rid: 0)
+            assert routed.decision.replica_id == "new" and routed.decision.reason == "load", routed
+            await table.include(["old", "new"])  # unchanged candidates: no new read
+            assert table._catch_up is first
+        finally:
+            await table.close()
+            await index.close()
+
+    asyncio.run(scenario())
