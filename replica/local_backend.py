@@ -55,8 +55,6 @@ class LocalBackend:
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
                  cache_salt: str | None = None, **extra: Any) -> AsyncIterator[RequestOutput]:
-        if self.facts.engine != "sim":
-            extra.pop("kv_pull_blocks", None)  # a real engine pulls for real (kv_prefix)
         return self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, **extra)
 
     def abort(self, request_id: str) -> None:
