@@ -1,5 +1,5 @@
 """Builds the Ray Serve application: Gateway x K (ingress, each with its own router) ->
-PrefixCacheReplica x N, with the request router chosen by policy name.
+PrefixCacheReplica x N, with the request router chosen by policy name (router/registry.py).
 
 Nothing imported here loads torch: the replica deployment imports its engine when a replica
 starts, and a simulated-compute replica (engine "sim") never imports it at all. A vLLM
@@ -17,42 +17,26 @@ from ray.serve.config import RequestRouterConfig
 from gateway.config import AppConfig
 from gateway.server import Gateway
 from replica.default_model import DEFAULT_MODEL_NAME
-from replica.deployment import PrefixCacheReplica, ReplicaSettings
+from replica.deployment import PrefixCacheReplica
 from replica.engine_protocol import ENGINE_NAMES
 from replica.engine_types import EngineConfig
+from replica.replica_settings import ReplicaSettings
 from replica.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings, vllm_python
+from router import registry
 
-OUR_POLICIES = ("affinity", "affinity-pull", "prefix", "session", "random", "least-loaded")
-RAY_ROUTERS = {
-    "pow2": None,  # Ray Serve's default: power of two choices on queue length
-    "ray-prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",
-    "ray-session": "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
-}
-POLICY_NAMES = (*OUR_POLICIES, *RAY_ROUTERS)
 ENGINES = ENGINE_NAMES
 SIM_DEFAULT_BLOCKS = 1024  # per sim replica when num_blocks is not given (no model to size a pool by)
 
 
 def router_config(config: AppConfig, model_id: str) -> RequestRouterConfig | None:
-    if config.policy in OUR_POLICIES:
+    """Ours run inside PrefixGateRouter; Ray's by their import path (None: Serve's default)."""
+    entry = registry.get(config.policy)
+    if entry.is_ours:
         return RequestRouterConfig(
-            request_router_class="router.ray_router.PrefixGateRouter",
-            request_router_kwargs={
-                "policy": config.policy,
-                "model_id": model_id,
-                "block_size": config.block_size,
-                "publish_depth": config.publish_depth,
-                "redis_url": config.redis_url,
-                "key_prefix": config.key_prefix,
-                "redis_timeout_s": config.redis_timeout_s,
-                "session_ttl_s": config.session_ttl_s,
-                "seed": config.seed,
-            },
+            request_router_class=registry.OUR_ROUTER_CLASS,
+            request_router_kwargs=config.router_options(model_id).to_kwargs(),
         )
-    if config.policy in RAY_ROUTERS:
-        cls = RAY_ROUTERS[config.policy]
-        return RequestRouterConfig(request_router_class=cls) if cls else None
-    raise ValueError(f"unknown policy {config.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return RequestRouterConfig(request_router_class=entry.ray_router) if entry.ray_router else None
 
 
 def build_app(config: AppConfig) -> serve.Application:
@@ -70,9 +54,10 @@ def build_app(config: AppConfig) -> serve.Application:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
     )
-    settings = ReplicaSettings(engine, config.redis_url, config.key_prefix, config.publish_depth, config.torch_threads,
-                               sim=sim_settings(config, model_id), kv_pull_timeout_s=config.kv_pull_timeout_s,
-                               vllm=vllm_settings(config))
+    settings = ReplicaSettings(engine=engine, redis_url=config.redis_url, key_prefix=config.key_prefix,
+                               index_buckets=config.index_buckets, publish_depth=config.publish_depth,
+                               torch_threads=config.torch_threads, sim=sim_settings(config, model_id),
+                               kv_pull_timeout_s=config.kv_pull_timeout_s, vllm=vllm_settings(config))
     if settings.sim is not None:
         actor_options = {"num_cpus": config.sim_replica_num_cpus}
     else:

@@ -3,62 +3,37 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 from gateway import shutdown
 from gateway.config import AppConfig
-from gateway.fleet_args import add_fleet_args, fleet_fields
+from gateway.config_cli import add_config_args, config_values
+from gateway.fleet_args import add_fleet_args, sim_service_overrides
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    d = AppConfig()
-    p.add_argument("--model", default=None, help="local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--model-name", default=None, help="served model name (default: the directory name)")
-    p.add_argument("--replicas", type=int, default=d.replicas)
-    p.add_argument("--policy", default=d.policy, help="affinity | affinity-pull | prefix | session | random | least-loaded | pow2 | ray-prefix | ray-session")
+    """The stack's own flags; every AppConfig setting comes as a flag too (gateway/config_cli.py)."""
     p.add_argument("--redis-url", default=None, help="Redis to use (default: $REDIS_URL, else start a local one)")
-    p.add_argument("--key-prefix", default=d.key_prefix)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per K/V block (default: 16; 32 with --engine vllm)")
-    p.add_argument("--replica-threads", type=int, default=d.torch_threads, help="compute threads per replica (torch's, or vLLM's)")
-    p.add_argument("--num-blocks", type=int, default=None, help="K/V blocks per replica (default: from --kv-cache-mb)")
-    p.add_argument("--kv-cache-mb", type=int, default=d.kv_cache_mb)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--replica-cpus", type=float, default=d.replica_num_cpus)
-    p.add_argument("--replica-gpus", type=float, default=d.replica_num_gpus)
-    p.add_argument("--max-ongoing-requests", type=int, default=d.max_ongoing_requests)
-    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
-    p.add_argument("--api-keys", default=None, help="JSON file mapping API key -> tenant; enables 401 for others")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="the local Ray node exports every replica's and router's metrics at http://127.0.0.1:P/metrics "
                         "(with --ray-address: set it on `ray start --metrics-export-port` instead)")
-    p.add_argument("--replica-resources", default=None, help='JSON of custom Ray resources per replica, e.g. {"replica_node": 1}')
+    add_config_args(p.add_argument_group("settings", "AppConfig (gateway/config.py); the same names in Serve config files"))
     add_fleet_args(p)
 
 
 def config_from_args(args: argparse.Namespace) -> AppConfig:
     import os
 
-    api_keys = {}
-    if args.api_keys:
-        with open(args.api_keys) as f:
-            api_keys = json.load(f)
-    return AppConfig(
-        model=args.model, model_name=args.model_name, replicas=args.replicas, policy=args.policy,
-        redis_url=args.redis_url or os.environ.get("REDIS_URL") or "auto", key_prefix=args.key_prefix,
-        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_mb=args.kv_cache_mb,
-        max_model_len=args.max_model_len, device=args.device, replica_num_cpus=args.replica_cpus,
-        replica_num_gpus=args.replica_gpus, max_ongoing_requests=args.max_ongoing_requests,
-        max_queued_requests=args.max_queued_requests, api_keys=api_keys,
-        replica_resources=json.loads(args.replica_resources) if args.replica_resources else {},
-        torch_threads=args.replica_threads,
-        **fleet_fields(args),
-    )
+    values = config_values(args)
+    shorthand = sim_service_overrides(args)
+    if shorthand:
+        values["sim_service"] = {**values.get("sim_service", {}), **shorthand}
+    values["redis_url"] = args.redis_url or os.environ.get("REDIS_URL") or "auto"
+    return AppConfig(**values)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -73,7 +48,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     shutdown.become_subreaper()  # and what the stack starts cannot outlive it unseen
     stack = None
     try:
-        config = config_from_args(args)
+        try:
+            config = config_from_args(args)
+        except ValueError as e:  # a setting out of its range, an unknown policy or engine
+            print(f"[prefixgate] {e}", file=sys.stderr)
+            return 2
         if args.ray_address and config.redis_url == "auto":
             print("[prefixgate] --ray-address needs --redis-url (or REDIS_URL): replicas on other nodes "
                   "cannot reach a Redis started on 127.0.0.1 here", file=sys.stderr)

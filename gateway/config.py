@@ -1,60 +1,99 @@
-"""One dataclass of settings for the whole app: CLI flags, Serve config args and tests share it."""
+"""Every setting of a served app, defined once: Serve config files' `args`, the `prefixgate serve`
+flags (generated from these fields by gateway/config_cli.py), tests and the stack share it.
+
+Each field carries its one default (the engine's and the router's come from where those
+components define them: replica/engine_types.py, router/router_options.py) and its help text.
+Adding a serve option is adding one field here (docs/configuration.md).
+"""
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
 
-from router.protocol.redis_schema import LOOKUP_TIMEOUT_S
+from replica.engine_protocol import ENGINE_NAMES
+from replica.engine_types import KV_CACHE_MB, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from router.registry import aliases as policy_aliases
+from router.registry import help_text as policy_help
+from router.registry import policy_names
+from router.router_options import RouterOptions
+
+_ROUTER = RouterOptions()  # the router's defaults, defined in router/router_options.py
+
+
+def setting(default: Any = MISSING, *, help: str, factory: Any = None, flag: str | None = None,
+            cli: str = "auto", choices: tuple[str, ...] | None = None) -> Any:
+    """A field with its help text. `flag`: its `prefixgate serve` flag when not `--field-name`;
+    `cli`: "auto" (a flag), "json-file" (the flag names a JSON file holding the value) or "none";
+    `choices`: the values the flag accepts (checked when the command line is parsed)."""
+    metadata = {"help": help, "flag": flag, "cli": cli, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class AppConfig:
-    model: str | None = None  # local HF model directory; None: bundled SmolLM2-135M-Instruct
-    model_name: str | None = None  # served name (and block-hash identity); default: directory name
-    replicas: int = 2
-    policy: str = "affinity"  # affinity | affinity-pull | prefix | session | random | pow2 | ray-prefix | ray-session
-    redis_url: str | None = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "prefixgate"
-    block_size: int | None = None  # None: 32 on engine vllm (its CPU backend needs a multiple of 32), else 16
-    num_blocks: int | None = None  # per replica; None: kv_cache_mb below
-    kv_cache_mb: int = 512
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = 4096
-    publish_depth: int = 64
-    replica_num_cpus: float = 0.5
-    replica_num_gpus: float = 0.0
-    replica_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"replica_node": 0.01}
-    device: str = "cpu"
-    torch_threads: int = 1
-    max_ongoing_requests: int = 32  # per replica, in flight at once (Ray Serve's bound)
-    max_queued_requests: int = 64  # beyond replicas * max_ongoing: 429 with Retry-After
-    default_max_tokens: int = 256
-    max_body_bytes: int = 4 * 2**20
-    api_keys: dict[str, str] = field(default_factory=dict)  # API key -> tenant (each its own cache salt)
-    redis_timeout_s: float = LOOKUP_TIMEOUT_S  # per routing lookup (50 ms); a lost connection or 3 timeouts in a row: Redis skipped for 1 s
-    first_token_timeout_s: float = 300.0  # a request not routed/started by then gets a 504
-    retry_attempts: int = 6  # replica calls per request when replicas fail (retry / stream migration)
-    retry_budget_s: float = 90.0  # from a request's first replica failure: then 503 with Retry-After
-    # Serve autoscaling_config for the replicas (min_replicas, max_replicas, target_ongoing_requests,
-    # upscale_delay_s, downscale_delay_s, ...); when set it replaces `replicas` (infra/serve-autoscale.yaml)
-    autoscaling: dict | None = None
-    drain_timeout_s: float = 20.0  # a stopping replica's requests get this long to finish; the rest move on
-    kv_pull_timeout_s: float = 5.0  # a replica acting on a pull hint waits this long for the holder, then computes
-    session_ttl_s: int = 1800
-    seed: int | None = None
-    gateway_num_cpus: float = 0.25
-    gateway_resources: dict[str, float] = field(default_factory=dict)  # e.g. {"head_node": 0.01}
-    gateways: int = 1  # ingress replicas, each with its own router (they share only Redis)
-    engine: str = "model"  # "model": our engine; "sim": simulated compute (no model, no torch); "vllm": vLLM's engine
-    vllm: dict = field(default_factory=dict)  # vllm: VllmSettings overrides (replica/vllm_settings.py)
-    vllm_python: str | None = None  # vllm: the replicas' interpreter; None: .venv-vllm beside the checkout
-    time_scale: float = 1.0  # sim: run the service model this many times faster in wall time
-    sim_service: dict[str, float] = field(default_factory=dict)  # sim: ServiceModel overrides
-    sim_transfer: dict[str, float] = field(default_factory=dict)  # sim: pull model (SimEngineConfig kv_bytes_per_token, pull_*)
-    sim_replica_num_cpus: float = 0.05  # sim: CPU reserved per replica (many fit on a core)
+    # the model and its replicas
+    model: str | None = setting(None, help="local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
+    model_name: str | None = setting(None, help="served model name and block-hash identity (default: the directory name)")
+    engine: str = setting("model", choices=tuple(ENGINE_NAMES), help="model: our engine; sim: real cache, scheduler and publisher, modelled "
+                                        "compute, no torch; vllm: vLLM's engine in each replica (docs/vllm.md)")
+    replicas: int = setting(2, help="replica count (replaced by `autoscaling` when that is set)")
+    autoscaling: dict | None = setting(None, help="Serve autoscaling_config for the replicas (min_replicas, max_replicas, "
+                                                  "target_ongoing_requests, ...); replaces `replicas` (infra/serve-autoscale.yaml)")
+    device: str = setting("cpu", help="torch device of our engine")
+    torch_threads: int = setting(1, flag="--replica-threads", help="compute threads per replica (torch's, or vLLM's OMP threads)")
+    replica_num_cpus: float = setting(0.5, flag="--replica-cpus", help="Ray CPUs reserved per replica")
+    replica_num_gpus: float = setting(0.0, flag="--replica-gpus", help="Ray GPUs reserved per replica")
+    replica_resources: dict[str, float] = setting(factory=dict, help='custom Ray resources per replica, e.g. {"replica_node": 0.01}')
+    # the engine
+    block_size: int | None = setting(None, help="tokens per K/V block (default: 16; 32 on engine vllm, whose CPU backend needs a multiple of 32)")
+    num_blocks: int | None = setting(None, help="K/V blocks per replica (default: from kv_cache_mb)")
+    kv_cache_mb: int = setting(KV_CACHE_MB, help="K/V pool per replica, MiB, when num_blocks is not given")
+    max_num_seqs: int = setting(MAX_NUM_SEQS, help="sequences running at once per replica")
+    max_num_batched_tokens: int = setting(MAX_NUM_BATCHED_TOKENS, help="tokens per engine step (the prefill chunk, decodes included)")
+    max_model_len: int | None = setting(4096, help="longest prompt + output, tokens (None: the model's)")
+    vllm: dict = setting(factory=dict, help="engine vllm: VllmSettings overrides (replica/vllm_settings.py)")
+    vllm_python: str | None = setting(None, help="engine vllm: the replicas' interpreter (default: .venv-vllm beside the checkout)")
+    time_scale: float = setting(1.0, help="engine sim: run the service model this many times faster in wall time")
+    sim_service: dict[str, float] = setting(factory=dict, help="engine sim: ServiceModel field overrides (router/sim/service.py)")
+    sim_transfer: dict[str, float] = setting(factory=dict, help="engine sim: pull model (SimEngineConfig kv_bytes_per_token, pull_*)")
+    sim_replica_num_cpus: float = setting(0.05, flag="--sim-replica-cpus", help="engine sim: Ray CPUs reserved per replica (many fit on a core)")
+    # routing (router/router_options.py defines these defaults)
+    policy: str = setting(_ROUTER.policy, choices=(*policy_names(), *policy_aliases()), help=f"routing policy (docs/policies.md): {policy_help()}")
+    policy_options: dict = setting(factory=dict, help="the policy class's keyword arguments (router/policy.py), e.g. miss_weight=8")
+    sampled_replicas: int = setting(_ROUTER.sampled_replicas, help="replicas scored for load alone, besides the matched and the session's")
+    publish_depth: int = setting(_ROUTER.publish_depth, help="leading blocks of a prompt that are hashed, published and matched")
+    session_ttl_s: int = setting(_ROUTER.session_ttl_s, help="how long a session's last replica is remembered (sliding)")
+    load_refresh_s: float = setting(_ROUTER.load_refresh_s, help="each router re-reads the replicas' heartbeats this often")
+    seed: int | None = setting(_ROUTER.seed, help="seed of the policies' random draws (None: unseeded)")
+    # Redis and the index
+    redis_url: str | None = setting("redis://127.0.0.1:6379/0", cli="none",
+                                    help="the index's Redis (serve: --redis-url, else $REDIS_URL, else a local one it starts)")
+    key_prefix: str = setting(_ROUTER.key_prefix, help="Redis key prefix: several deployments can share one Redis")
+    index_buckets: int = setting(_ROUTER.index_buckets, help="hash tags of the block index; replicas and routers get this one value")
+    redis_timeout_s: float = setting(_ROUTER.redis_timeout_s, help="per routing lookup; a lost connection or 3 timeouts "
+                                                                   "in a row: Redis skipped for 1 s")
+    # the gateway
+    gateways: int = setting(1, help="ingress replicas, each with its own router (they share only Redis)")
+    gateway_num_cpus: float = setting(0.25, help="Ray CPUs reserved per gateway")
+    gateway_resources: dict[str, float] = setting(factory=dict, help='custom Ray resources per gateway, e.g. {"head_node": 0.01}')
+    max_ongoing_requests: int = setting(32, help="per replica, in flight at once (Ray Serve's bound)")
+    max_queued_requests: int = setting(64, help="beyond replicas x max_ongoing_requests: 429 with Retry-After")
+    default_max_tokens: int = setting(256, help="max_tokens of a request that gives none")
+    max_body_bytes: int = setting(4 * 2**20, help="largest request body accepted (413 beyond)")
+    api_keys: dict[str, str] = setting(factory=dict, cli="json-file",
+                                       help="API key -> tenant, each tenant its own cache salt; set: 401 for others (serve: a JSON file)")
+    first_token_timeout_s: float = setting(300.0, help="a request not routed and started by then gets a 504")
+    retry_attempts: int = setting(6, help="replica calls per request when replicas fail (retry / stream migration)")
+    retry_budget_s: float = setting(90.0, help="from a request's first replica failure: then 503 with Retry-After")
+    stall_timeout_s: float = setting(30.0, help="a replica silent this long mid-request (not even a keepalive) is taken "
+                                                "for frozen and the request moves on (0: off)")
+    drain_timeout_s: float = setting(20.0, help="a stopping replica's requests get this long to finish; the rest move on")
+    kv_pull_timeout_s: float = setting(5.0, help="a replica acting on a pull hint waits this long for the holder, then computes")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> AppConfig:
@@ -71,14 +110,28 @@ class AppConfig:
         return cls(**d)
 
     def __post_init__(self) -> None:
-        from replica.engine_protocol import ENGINE_NAMES
+        from router.registry import resolve
 
+        self.policy = resolve(self.policy)  # unknown: ValueError listing the valid names
         if self.engine not in ENGINE_NAMES:
             raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINE_NAMES)}")
         if self.block_size is None:
             from replica.vllm_settings import VLLM_BLOCK_MULTIPLE
 
             self.block_size = VLLM_BLOCK_MULTIPLE if self.engine == "vllm" else 16
+        if self.stall_timeout_s < 0:
+            raise ValueError(f"stall_timeout_s must be >= 0 (0 turns the stall guard off), got {self.stall_timeout_s}")
+        self.router_options(self.model_name or "check")  # the router's own rules, checked at load
+
+    def router_options(self, model_id: str) -> RouterOptions:
+        """What each gateway's router is built from (every RouterOptions field has a setting here)."""
+        return RouterOptions(
+            policy=self.policy, policy_options=dict(self.policy_options), model_id=model_id,
+            block_size=self.block_size, publish_depth=self.publish_depth, redis_url=self.redis_url,
+            key_prefix=self.key_prefix, redis_timeout_s=self.redis_timeout_s, session_ttl_s=self.session_ttl_s,
+            seed=self.seed, sampled_replicas=self.sampled_replicas, index_buckets=self.index_buckets,
+            load_refresh_s=self.load_refresh_s,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)

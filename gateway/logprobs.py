@@ -7,6 +7,8 @@ top_logprobs}]}`; completions answer the legacy parallel lists with a character 
 
 from __future__ import annotations
 
+from router.protocol.messages import DeltaChunk
+
 
 class LogprobsView:
     """Renders one request's logprobs, choice by choice; everything is None when not asked for."""
@@ -18,21 +20,21 @@ class LogprobsView:
         self._entries: list[list[dict]] = [[] for _ in range(choices)]
         self._offsets = [0] * choices  # completions: characters of text before the next token
 
-    def add(self, index: int, chunk: dict) -> None:
+    def add(self, index: int, chunk: DeltaChunk) -> None:
         """Keep a delta chunk's entries for the whole (non-streaming) answer."""
         if self.enabled:
-            self._entries[index].extend(chunk.get("logprobs") or [])
+            self._entries[index].extend(chunk.logprobs or [])
 
     def whole(self, index: int) -> dict | None:
         if not self.enabled:
             return None
         return self._render(self._entries[index], index)
 
-    def piece(self, index: int, chunk: dict) -> dict | None:
+    def piece(self, index: int, chunk: DeltaChunk) -> dict | None:
         """The logprobs field of one streamed chunk (offsets continue across chunks)."""
         if not self.enabled:
             return None
-        return self._render(chunk.get("logprobs") or [], index)
+        return self._render(chunk.logprobs or [], index)
 
     def _render(self, entries: list[dict], index: int) -> dict:
         if self.chat:

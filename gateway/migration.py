@@ -29,8 +29,18 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from gateway import metrics as m
-from router.protocol.messages import GenerateRequest
+from router.protocol.messages import (
+    AliveChunk,
+    Chunk,
+    DeltaChunk,
+    EndChunk,
+    ErrorChunk,
+    GenerateRequest,
+    decode_chunk,
+)
 
 log = logging.getLogger("prefixgate.migration")
 
@@ -41,6 +51,13 @@ class MigrationPolicy:
     budget_s: float = 90.0  # from the first failure: past it, give up with a 503
     backoff_s: float = 0.25  # doubled per attempt (Serve needs a moment to drop a dead replica)
     max_backoff_s: float = 4.0
+    # after a replica's "start", the longest silence accepted (it sends "alive" chunks every
+    # KEEPALIVE_S while working): past it the replica is taken for frozen and the request moves
+    stall_timeout_s: float = 30.0
+
+
+class ReplicaStalled(Exception):
+    """A replica that took the request stopped sending anything, keepalives included."""
 
 
 @dataclass
@@ -60,11 +77,11 @@ def derive_seed(seed: int, sent_tokens: int) -> int:
 
 
 def continuation(req: GenerateRequest, sent_ids: list[int], sent_text_len: int) -> GenerateRequest:
-    params = dict(req.params)
-    if sent_ids and params.get("seed") is not None:
-        params["seed"] = derive_seed(int(params["seed"]), len(sent_ids))
-    return dataclasses.replace(
-        req, params=params, request_id=uuid.uuid4().hex, route=None, kv_source=None,
+    params = req.params
+    if sent_ids and params.seed is not None:
+        params = msgspec.structs.replace(params, seed=derive_seed(params.seed, len(sent_ids)))
+    return msgspec.structs.replace(
+        req, params=params, request_id=uuid.uuid4().hex,
         prefix_output_token_ids=list(sent_ids), prefix_text_len=sent_text_len,
     )
 
@@ -78,37 +95,36 @@ def _inc(name: str, *labels: str, amount: float = 1) -> None:
 class ResilientStream:
     """Chunks of one request, continued on another replica whenever one fails."""
 
-    def __init__(self, call: Callable[[GenerateRequest], AsyncIterator[dict]], req: GenerateRequest,
+    def __init__(self, call: Callable[[GenerateRequest], AsyncIterator[bytes]], req: GenerateRequest,
                  policy: MigrationPolicy, retryable: tuple[type[BaseException], ...]) -> None:
         self.call, self.req, self.policy, self.retryable = call, req, policy, retryable
         self.sent_ids: list[int] = []
         self.sent_text_len = 0
         self.migrations: list[MigrationRecord] = []
 
-    async def __aiter__(self) -> AsyncIterator[dict]:
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
         first_failure: float | None = None
         for attempt in range(1, self.policy.max_attempts + 1):
             req = continuation(self.req, self.sent_ids, self.sent_text_len) if attempt > 1 else self.req
             failure: str | None = None
             stream = self.call(req)
             try:
-                async for chunk in stream:
-                    kind = chunk["type"]
-                    if kind == "error" and chunk.get("retry"):
-                        failure = chunk["message"]
+                async for chunk in _guarded(stream, self.policy.stall_timeout_s):
+                    if isinstance(chunk, ErrorChunk) and chunk.retry:
+                        failure = chunk.message
                         break
-                    if kind == "delta":
-                        self.sent_ids += chunk["token_ids"]
-                        self.sent_text_len += len(chunk["text"])
-                    elif kind == "end":
+                    if isinstance(chunk, DeltaChunk):
+                        self.sent_ids += chunk.token_ids
+                        self.sent_text_len += len(chunk.text)
+                    elif isinstance(chunk, EndChunk):
                         yield self._final(chunk)
                         return
                     yield chunk
-                    if kind == "error":
+                    if isinstance(chunk, ErrorChunk):
                         return  # the request itself is bad: no other replica would do better
                 else:
                     failure = "the replica stream ended without finishing"
-            except self.retryable as e:
+            except (*self.retryable, ReplicaStalled) as e:
                 failure = f"{type(e).__name__}: {e}"
             finally:
                 await _close(stream)
@@ -121,8 +137,8 @@ class ResilientStream:
             await asyncio.sleep(min(delay, max(0.0, first_failure + self.policy.budget_s - now)))
         if self.sent_ids:
             _inc("MIGRATIONS", "failed")
-        yield {"type": "error", "code": 503, "exhausted": True,
-               "message": f"no replica could complete this request after {len(self.migrations)} failure(s); retry shortly"}
+        yield ErrorChunk(503, f"no replica could complete this request after {len(self.migrations)} failure(s); "
+                         "retry shortly", exhausted=True)
 
     def _record(self, attempt: int, failure: str) -> None:
         sent = len(self.sent_ids)
@@ -137,15 +153,42 @@ class ResilientStream:
             log.warning("request %s: replica failed before the first token (%s); retrying",
                         self.req.request_id, failure)
 
-    def _final(self, end: dict) -> dict:
-        end = dict(end)
-        # cached_tokens is about the prompt; a continuation may also hit its own sent tokens
-        end["cached_tokens"] = min(end["cached_tokens"], end["prompt_tokens"])
+    def _final(self, end: EndChunk) -> EndChunk:
         resumed = [r for r in self.migrations if r.sent_tokens]
         for _ in resumed:
             _inc("MIGRATIONS", "resumed")
-        end["migrations"] = [dataclasses.asdict(r) for r in self.migrations]
-        return end
+        # cached_tokens is about the prompt; a continuation may also hit its own sent tokens
+        return msgspec.structs.replace(end, cached_tokens=min(end.cached_tokens, end.prompt_tokens),
+                                       migrations=[dataclasses.asdict(r) for r in self.migrations])
+
+
+async def _guarded(stream: AsyncIterator[bytes], stall_timeout_s: float) -> AsyncIterator[Chunk]:
+    """The replica's chunks, decoded and type-checked, without its keepalives; once it has
+    started the request, a silence longer than `stall_timeout_s` raises ReplicaStalled. Before
+    "start" there is no bound: the request may be waiting in Serve's queue for a free replica,
+    which is not a fault. A chunk that does not decode ends the request with a 502: a replica
+    speaking another protocol version would fail the same way on every retry."""
+    started = False
+    while True:
+        try:
+            if started and stall_timeout_s > 0:
+                raw = await asyncio.wait_for(anext(stream), stall_timeout_s)
+            else:
+                raw = await anext(stream)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise ReplicaStalled(f"no output or keepalive for {stall_timeout_s:g} s") from None
+        try:
+            chunk = decode_chunk(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError, TypeError) as e:
+            log.error("malformed chunk from a replica: %s", e)
+            yield ErrorChunk(502, f"a replica sent a malformed stream chunk: {e}")
+            return
+        if isinstance(chunk, AliveChunk):
+            continue
+        started = True
+        yield chunk
 
 
 async def _close(stream) -> None:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from gateway import metrics as m
 from gateway.errors import APIError
 from gateway.logprobs import LogprobsView
+from router.protocol.messages import DeltaChunk, EndChunk, ErrorChunk, StartChunk
 
 
 class RequestRun:
@@ -35,12 +36,13 @@ class RequestRun:
             head = []
             async for chunk in stream:
                 head.append(chunk)
-                if chunk["type"] == "start":
+                if isinstance(chunk, StartChunk):
                     if index == 0:  # the last start wins: a retry names the replica that took over
-                        self.replica, self.route = chunk["replica"], chunk.get("route")
+                        self.replica = chunk.replica
+                        self.route = chunk.route.as_dict() if chunk.route is not None else None
                     continue
                 break
-            error = next((c for c in head if c["type"] == "error"), None)
+            error = next((c for c in head if isinstance(c, ErrorChunk)), None)
             if error is not None:
                 raise _error(error)
             self.first.append(head)
@@ -56,10 +58,10 @@ class RequestRun:
 
     async def _chunks(self, index: int) -> AsyncIterator[dict]:
         for chunk in self.first[index]:
-            if chunk["type"] != "start":
+            if not isinstance(chunk, StartChunk):
                 yield chunk
         async for chunk in self.streams[index]:
-            if chunk["type"] != "start":
+            if not isinstance(chunk, StartChunk):
                 yield chunk
 
     async def _merged(self) -> AsyncIterator[tuple[int, dict]]:
@@ -89,21 +91,21 @@ class RequestRun:
             for t in tasks:
                 t.cancel()
 
-    def _account(self, index: int, end: dict) -> None:
+    def _account(self, index: int, end: EndChunk) -> None:
         self.ends[index] = end
         replica = self.replica or "unknown"
         if index == 0:
-            m.PROMPT_TOKENS.labels(replica).inc(end["prompt_tokens"])
-            m.CACHED_TOKENS.labels(replica).inc(end["cached_tokens"])
-        m.COMPLETION_TOKENS.labels(replica).inc(end["completion_tokens"])
+            m.PROMPT_TOKENS.labels(replica).inc(end.prompt_tokens)
+            m.CACHED_TOKENS.labels(replica).inc(end.cached_tokens)
+        m.COMPLETION_TOKENS.labels(replica).inc(end.completion_tokens)
 
     def migrations(self) -> list[dict]:
         """Replica failures this request survived (gateway/migration.py), all choices together."""
-        return [r for i in sorted(self.ends) for r in self.ends[i].get("migrations", [])]
+        return [r for i in sorted(self.ends) for r in self.ends[i].migrations]
 
     def usage(self) -> dict:
-        completion = sum(e["completion_tokens"] for e in self.ends.values())
-        cached = self.ends[0]["cached_tokens"] if 0 in self.ends else 0
+        completion = sum(e.completion_tokens for e in self.ends.values())
+        cached = self.ends[0].cached_tokens if 0 in self.ends else 0
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
@@ -115,13 +117,13 @@ class RequestRun:
         texts = [""] * len(self.streams)
         reasons: list[str | None] = [None] * len(self.streams)
         async for i, chunk in self._merged():
-            if chunk["type"] == "delta":
-                texts[i] += chunk["text"]
+            if isinstance(chunk, DeltaChunk):
+                texts[i] += chunk.text
                 self.logprobs.add(i, chunk)
-            elif chunk["type"] == "end":
-                reasons[i] = chunk["finish_reason"]
+            elif isinstance(chunk, EndChunk):
+                reasons[i] = chunk.finish_reason
                 self._account(i, chunk)
-            elif chunk["type"] == "error":
+            elif isinstance(chunk, ErrorChunk):
                 raise _error(chunk)
         m.E2E.observe(time.monotonic() - self.arrival)
         if self.chat:
@@ -158,15 +160,15 @@ class RequestRun:
 
         try:
             async for i, chunk in self._merged():
-                if chunk["type"] == "delta" and (chunk["text"] or chunk.get("logprobs")):
-                    piece = {"delta": delta(i, {"content": chunk["text"]})} if self.chat else {"text": chunk["text"]}
+                if isinstance(chunk, DeltaChunk) and (chunk.text or chunk.logprobs):
+                    piece = {"delta": delta(i, {"content": chunk.text})} if self.chat else {"text": chunk.text}
                     yield self._sse([{"index": i, **piece, "finish_reason": None,
                                       "logprobs": self.logprobs.piece(i, chunk)}])
-                elif chunk["type"] == "end":
+                elif isinstance(chunk, EndChunk):
                     self._account(i, chunk)
                     piece = {"delta": delta(i, {})} if self.chat else {"text": ""}
-                    yield self._sse([{"index": i, **piece, "finish_reason": chunk["finish_reason"], "logprobs": None}])
-                elif chunk["type"] == "error":
+                    yield self._sse([{"index": i, **piece, "finish_reason": chunk.finish_reason, "logprobs": None}])
+                elif isinstance(chunk, ErrorChunk):
                     err = _error(chunk)
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
@@ -186,11 +188,11 @@ class RequestRun:
                 asyncio.ensure_future(s.aclose())
 
 
-def _error(chunk: dict) -> APIError:
+def _error(chunk: ErrorChunk) -> APIError:
     """An error chunk as the HTTP error to answer: 503s (no replica could finish) say when to retry."""
-    code = chunk["code"]
+    code = chunk.code
     if code < 500:
-        return APIError(code, chunk["message"], "invalid_request_error")
+        return APIError(code, chunk.message, "invalid_request_error")
     headers = {"Retry-After": "2"} if code == 503 else None
-    return APIError(code, chunk["message"], "server_error", code="replica_unavailable" if code == 503 else None,
+    return APIError(code, chunk.message, "server_error", code="replica_unavailable" if code == 503 else None,
                     headers=headers)

@@ -33,6 +33,7 @@ from gateway.openai_models import ChatCompletionRequest, CompletionRequest, rout
 from gateway.request_run import RequestRun
 from gateway.tokenization import PromptBuilder
 from router.protocol.messages import GenerateRequest
+from router.protocol.sampling import InvalidParam, SamplingParams
 
 log = logging.getLogger("prefixgate.gateway")
 RETRYABLE = (ray.exceptions.RayError, serve.exceptions.BackPressureError)  # the replica, not the request
@@ -163,7 +164,8 @@ class Gateway:
         """Chunks of one request; retried or continued on another replica whenever one fails
         (see gateway/migration.py)."""
         handle = self.replicas.options(stream=True, **({"session_id": req.session_id} if req.session_id else {}))
-        policy = MigrationPolicy(self.config.retry_attempts, self.config.retry_budget_s)
+        policy = MigrationPolicy(self.config.retry_attempts, self.config.retry_budget_s,
+                                 stall_timeout_s=self.config.stall_timeout_s)
         return ResilientStream(handle.generate.remote, req, policy, RETRYABLE).__aiter__()
 
     async def _generate(self, body, prompt_ids: list[int], prompt_text: str, session: str | None,
@@ -183,7 +185,12 @@ class Gateway:
             if body.n > 1 and body.temperature is None:
                 params["temperature"] = 1.0  # n copies of a greedy answer would be identical
             params.update(body.engine_params())  # penalties, logprobs, response_format
-            req = GenerateRequest(list(prompt_ids), params, prompt=prompt_text, session_id=session, cache_salt=tenant)
+            try:  # the replicas' own rules, checked here: a bad value is a 400 naming its field
+                sampling = SamplingParams(**params)
+            except InvalidParam as e:
+                raise bad_request(str(e), param=e.param) from None
+            req = GenerateRequest(prompt_token_ids=list(prompt_ids), params=sampling, prompt=prompt_text,
+                                  session_id=session, cache_salt=tenant)
             streams.append(self._replica_stream(req))
         return streams
 

@@ -31,6 +31,8 @@ from router.sim.workload import SimRequest, distinct_blocks
 MAX_STEP_LAG = 0.10  # a live run whose replicas fall further behind the model is invalid
 MAX_FALLBACK = 0.02  # nor one whose routers decided this often without the index (Redis lookups
 # timing out because the gateway process did not get the CPU: the machine, not the design)
+# The default policies: a choice among the registry's names (tests check they are in it). `pow2`
+# is ours now, served as simulated; docs/fleet.md's first-round `pow2` rows were Ray's (`ray-pow2`).
 FLEET_POLICIES = ("affinity", "pow2", "random", "least-loaded", "ray-prefix")
 
 

@@ -28,6 +28,7 @@ from loadtest.fleet import (
     workload,
 )
 from loadtest.fleet_report import FleetResult, RunSettings, format_side_by_side, oracles, sim_result
+from router import registry
 from router.sim.cli import default_trace, parse_overrides
 from router.sim.service import ServiceModel
 
@@ -88,7 +89,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    try:
+        policies = registry.resolve_list(args.policies)
+    except ValueError as e:
+        print(f"prefixgate loadtest fleet: {e}", file=sys.stderr)
+        return 2
     spec = _spec(args, args.replicas, policies)
     out = Path(args.out) if args.out else Path("loadtest/results") / f"fleet-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
@@ -137,12 +142,20 @@ def cmd_fleet_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policy_arg(name: str) -> str:
+    try:
+        return registry.resolve(name)
+    except ValueError as e:  # argparse shows this message, not a bare "invalid value"
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_parsers(sub) -> None:
     p = sub.add_parser("trace", help="replay a Mooncake slice against a running gateway, then the simulator")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--replicas", type=int, required=True, help="replicas the gateway routes to (for the simulator)")
     p.add_argument("--num-blocks", type=int, required=True, help="K/V blocks per replica (for the simulator)")
-    p.add_argument("--policy", default="affinity", help="the gateway's policy (label, and the simulator's)")
+    p.add_argument("--policy", default=registry.DEFAULT_POLICY, type=_policy_arg,
+                   help=f"the gateway's policy (label, and the simulator's): {registry.help_text()}")
     p.add_argument("--redis-url", default=None, help="with --key-prefix: read the replicas' step lag")
     p.add_argument("--key-prefix", default=None)
     _rows_args(p)
@@ -150,7 +163,8 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("fleet", help="policies x replica counts on sim replicas, live and simulated")
     p.add_argument("--replicas", type=int, nargs="+", default=[16])
-    p.add_argument("--policies", default=",".join(FLEET_POLICIES))
+    p.add_argument("--policies", default=",".join(FLEET_POLICIES),
+                   help=f"comma-separated; Ray's are simulated by their nearest of ours; names: {registry.help_text()}")
     p.add_argument("--capacity", default="0.02",
                    help="blocks per replica: a fraction of the slice's distinct blocks (0.02, 2%%) or a count")
     p.add_argument("--gateways", type=int, default=1, help="gateway (router) replicas")

@@ -8,10 +8,12 @@ converted back to model seconds, so live and simulated columns read in the same 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from router import registry
 from router.policy import make_policy
 from router.sim.cli import make_transfer
 from router.sim.engine import SimConfig, run_policy
@@ -20,9 +22,6 @@ from router.sim.oracle import pooled_lru_hits, unbounded_hits
 from router.sim.service import ServiceModel
 from router.sim.trace import scale_service, scale_transfer
 from router.sim.workload import SimRequest
-
-# Live policy names the simulator knows by another name (Ray's routers are approximated by ours).
-SIM_POLICY = {"ray-prefix": "prefix", "ray-session": "session"}
 
 
 @dataclass
@@ -146,8 +145,8 @@ def sim_result(policy: str, requests: list[SimRequest], s: RunSettings,
     config = SimConfig(replicas=s.replicas, capacity_blocks=s.capacity_blocks, block_size=s.block_size,
                        service=scale_service(service, s.block_size),
                        time_scale=s.load_scale, window_s=s.window_s, transfer=transfer)
-    name = SIM_POLICY.get(policy, policy)
-    extra = {"transfer": transfer} if name == "affinity-pull" else {}
+    name = registry.sim_policy(policy)  # Ray's routers are approximated by ours (docs/policies.md)
+    extra = {"transfer": transfer} if "transfer" in inspect.signature(registry.get(name).policy_class).parameters else {}
     r = run_policy(requests, make_policy(name, seed=s.seed, **extra, **(options or {})), config)
     pooled, unbounded = oracles(requests, s)
     return FleetResult(

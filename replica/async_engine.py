@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from replica.engine_types import EngineStats, RequestOutput
-from replica.sampling_params import SamplingParams
+from router.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the sim engine duck-types it; importing it at run time would load torch
     from replica.engine import LLMEngine

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from replica.engine import LLMEngine
-from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledChunk
 from replica.sequence import Sequence
+from router.protocol.sampling import SamplingParams
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""The Ray Serve replica: one engine backend (replica/engine_protocol.py) plus the publisher of
-its block hashes. Which backend runs is `ReplicaSettings.engine_name`: our engine, the
-simulated one, or vLLM's."""
+"""The Ray Serve replica actor: one engine backend (replica/engine_protocol.py), the publisher of
+its block hashes and heartbeat, and its K/V-pull peer. Which backend runs is
+`ReplicaSettings.engine_name` (replica/replica_settings.py); a request's stream is
+replica/request_stream.py, the heartbeat replica/heartbeat.py."""
 
 from __future__ import annotations
 
@@ -11,60 +12,19 @@ import os
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
-from replica.async_engine import EngineDeadError
 from replica.drain import drain_replica
-from replica.engine_protocol import ENGINE_NAMES, EngineBackend
-from replica.engine_types import EngineConfig, InvalidRequestError
+from replica.engine_protocol import EngineBackend
+from replica.heartbeat import build_heartbeat
 from replica.metrics import ReplicaMetrics
 from replica.publisher import BlockPublisher, PublisherConfig
-from replica.pull_load import add_pull_load
-from replica.sampling_params import SamplingParams
-from router.protocol.messages import GenerateRequest
+from replica.replica_settings import ReplicaSettings, create_backend
+from replica.request_stream import request_chunks
+from router.protocol.messages import RouteDecision, encode_chunk
+from router.protocol.redis_schema import Heartbeat
 
 log = logging.getLogger("prefixgate.replica")
-
-
-@dataclass
-class ReplicaSettings:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    redis_url: str | None = None  # None: run without publishing (routing falls back to hashing)
-    key_prefix: str = "prefixgate"
-    publish_depth: int = 64
-    torch_threads: int = 1  # compute threads per replica (torch's, or vLLM's OMP threads)
-    sim: dict | None = None  # SimEngineConfig fields: a simulated-compute replica (no model, no torch)
-    kv_pull_timeout_s: float = 5.0  # a pull hint's round trip (docs/kv-pull.md); past it: recompute
-    vllm: dict | None = None  # VllmSettings fields: a replica running vLLM's engine (replica/vllm_backend.py)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ReplicaSettings:
-        d = dict(d)
-        engine = EngineConfig(**d.pop("engine", {}))
-        return cls(engine=engine, **d)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def engine_name(self) -> str:
-        if self.sim is not None and self.vllm is not None:
-            raise ValueError("a replica runs either the sim engine or vLLM, not both")
-        return "sim" if self.sim is not None else "vllm" if self.vllm is not None else "model"
-
-
-async def create_backend(settings: ReplicaSettings) -> EngineBackend:
-    """The backend the settings name; each imports its engine only here (a sim replica never
-    loads torch, and only a vLLM replica imports vLLM)."""
-    name = settings.engine_name
-    assert name in ENGINE_NAMES
-    if name == "vllm":
-        from replica.vllm_backend import VllmBackend, VllmSettings
-
-        return await VllmBackend.create(settings.engine, VllmSettings(**settings.vllm), settings.torch_threads)
-    from replica.local_backend import LocalBackend
-
-    return await LocalBackend.create(settings.engine, settings.sim, settings.torch_threads)
 
 
 def _replica_id() -> str:
@@ -102,6 +62,7 @@ class PrefixCacheReplica:
                     replica_id=self.replica_id,
                     key_prefix=self.settings.key_prefix,
                     depth=self.settings.publish_depth,
+                    buckets=self.settings.index_buckets,
                 ),
                 snapshot=self._snapshot,
                 load=self._load,
@@ -119,74 +80,14 @@ class PrefixCacheReplica:
         """The cached set for a full resync, taken between steps (never blocks this loop)."""
         return await self.backend.block_snapshot(self.publisher.reset_events)
 
-    def _load(self) -> dict[str, int]:
-        s = self.backend.stats()  # a snapshot: answers at once even during a long step
-        engine = getattr(self.backend, "engine", None)
-        if engine is not None and hasattr(engine, "steps_started"):
-            self.heartbeats.append((engine.steps_started, engine.steps_finished))
-        else:
-            self.heartbeats.append((s.steps, s.steps))
-        load = {
-            "running": s.running,
-            "waiting": s.waiting,
-            "pending_prefill_tokens": s.pending_prefill_tokens,
-            "free_blocks": s.blocks_free,
-            "cached_blocks": s.blocks_cached,
-            "capacity_blocks": s.blocks_total,
-            "kv_pull": int(self.backend.capabilities.kv_pull),  # routers send pull hints only where 1
-            "pid": os.getpid(),  # lets operators (and the fault tests) find the process
-            "generated_tokens": s.generated_tokens,  # tests see whether an aborted request stopped
-        }
-        extra = self.backend.load_extra()
-        rates = {k: extra.pop(k) for k in ("kv_pull_bytes_per_s", "prefill_tokens_per_s") if k in extra}
-        load.update(extra)
-        return add_pull_load(load, self.kv_pull, self.backend.facts.kv_bytes_per_token, rates or None)
+    def _load(self) -> Heartbeat:
+        return build_heartbeat(self.backend, self.kv_pull, self.heartbeats)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
-        yield {"type": "start", "replica": self.replica_id, "route": request.route}
-        if self.draining:  # a late arrival: the gateway continues it on another replica
-            yield {"type": "error", "code": 503, "message": "replica is shutting down", "retry": True}
-            return
-        rec = self.metrics.request()
-        try:
-            params = SamplingParams(**request.params)
-            extra = {}
-            if request.prefix_output_token_ids:  # a stream migrated from another replica
-                extra = {"prefix_output_token_ids": request.prefix_output_token_ids,
-                         "prefix_text_len": request.prefix_text_len}
-            if request.kv_source is not None and self.kv_pull is not None:  # the router's pull hint
-                kv = await self.kv_pull.pull(request.kv_source, request.prompt_token_ids, request.cache_salt)
-                if kv is not None:
-                    extra["kv_prefix"] = kv  # imported with the request's own add, on the engine thread
-            if request.kv_source is not None and self.settings.sim is not None and request.kv_source.replica_id != self.replica_id:
-                extra["kv_pull_blocks"] = request.kv_source.num_blocks  # modelled pull (replica/sim_engine.py)
-            stream = self.backend.generate(
-                request.prompt_token_ids, params, request_id=request.request_id, cache_salt=request.cache_salt, **extra
-            )
-            async for out in stream:
-                rec.output(out)
-                if out.new_token_ids or out.new_text:
-                    delta = {"type": "delta", "token_ids": out.new_token_ids, "text": out.new_text}
-                    if getattr(out, "logprobs", None):
-                        delta["logprobs"] = out.logprobs
-                    yield delta
-                if out.finished:
-                    if self.kv_pull is not None:
-                        self.kv_pull.observe(out)
-                    yield {
-                        "type": "end",
-                        "finish_reason": out.finish_reason,
-                        "prompt_tokens": out.num_prompt_tokens,
-                        "cached_tokens": out.num_cached_tokens,
-                        "completion_tokens": len(out.token_ids),
-                    }
-        except (InvalidRequestError, TypeError, ValueError) as e:
-            rec.done = True  # refused, never ran: not a finished request
-            yield {"type": "error", "code": 400, "message": str(e)}
-        except EngineDeadError as e:  # failed or shutting down: another replica can continue it
-            yield {"type": "error", "code": 503, "message": str(e), "retry": True}
-        finally:
-            rec.close()  # ended without finishing (client gone, engine failed): counted as abort
+    async def generate(self, request: object, route: RouteDecision | None = None) -> AsyncIterator[bytes]:
+        """The request's chunks, msgpack-encoded (the gateway decodes them with their types).
+        `route` is our router's decision, passed beside the request (absent under Ray's routers)."""
+        async for chunk in request_chunks(self, request, route):
+            yield encode_chunk(chunk)
 
     async def info(self) -> dict:
         """Model facts the gateway needs, and live stats for /health and /metrics."""

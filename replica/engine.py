@@ -25,9 +25,9 @@ from replica.engine_core import EngineCore
 from replica.engine_types import EngineConfig, InvalidRequestError, RequestOutput
 from replica.model_runner import ModelRunner, default_dtype
 from replica.sampler import Sampler
-from replica.sampling_params import SamplingParams
 from replica.sequence import Sequence
 from replica.token_text import TokenText
+from router.protocol.sampling import SamplingParams
 
 log = logging.getLogger("prefixgate.replica.engine")
 

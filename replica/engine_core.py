@@ -24,10 +24,10 @@ from replica.engine_types import (
     request_output,
     validate_request,
 )
-from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.sequence import Sequence
 from router.protocol.hashing import block_hashes, chain_seed
+from router.protocol.sampling import SamplingParams
 
 
 class StepExecutor(Protocol):

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from replica.block_manager import KVEventListener
 from replica.engine_types import EngineStats, RequestOutput
-from replica.sampling_params import SamplingParams
+from router.protocol.sampling import SamplingParams
 
 ENGINE_NAMES = ("model", "sim", "vllm")
 

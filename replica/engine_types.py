@@ -15,8 +15,16 @@ from replica.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
     from replica.block_manager import BlockManager
-    from replica.sampling_params import SamplingParams
     from replica.sequence import Sequence
+    from router.protocol.sampling import SamplingParams
+
+
+# The engine's defaults, defined here once: EngineConfig, the scheduler, the sim engine and the
+# gateway's AppConfig (the served defaults) all read these.
+BLOCK_SIZE = 16  # tokens per K/V block (vLLM replicas need a multiple of 32: replica/vllm_settings.py)
+KV_CACHE_MB = 512  # K/V pool per replica when num_blocks is not given
+MAX_NUM_SEQS = 64  # sequences running at once
+MAX_NUM_BATCHED_TOKENS = 512  # tokens per step: the prefill chunk, decodes included
 
 
 class InvalidRequestError(ValueError):
@@ -27,13 +35,13 @@ class InvalidRequestError(ValueError):
 class EngineConfig:
     model: str | None = None  # local HF model directory; None: the bundled default
     model_id: str | None = None  # identity in block hashes; defaults to the directory name
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     num_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 768 * 2**20
+    kv_cache_bytes: int = KV_CACHE_MB * 2**20
     device: str = "cpu"
     dtype: str | None = None  # "float32", "bfloat16", ...; None: float32 on CPU, bf16 on GPU
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
 

@@ -1,7 +1,7 @@
 """Pulling a prefix's K/V from the replica that holds it, through Ray (docs/kv-pull.md).
 
-The router puts a hint in the request (GenerateRequest.kv_source: holder replica id, leading
-blocks). The replica taking the request asks the holder for those blocks before it queues the
+The router's decision carries a hint beside the request (RouteDecision.pull: holder replica
+id, leading blocks). The replica taking the request asks the holder for those blocks before it queues the
 request; the holder pins them on its engine thread, copies them out off that thread and
 returns them; the receiver imports them into its cache (replica/kv_transfer.py) with the
 request's own add, so the engine computes only the rest. Anything that goes wrong (holder dead,

@@ -14,7 +14,7 @@ from replica.async_engine import AsyncLLMEngine
 from replica.block_manager import KVEventListener
 from replica.engine_protocol import Capabilities, ModelFacts
 from replica.engine_types import EngineConfig, EngineStats, RequestOutput
-from replica.sampling_params import SamplingParams
+from router.protocol.sampling import SamplingParams
 
 
 def kv_bytes_per_token(engine) -> int:

@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.index_writer import IndexWriter
-from router.protocol.redis_schema import HEARTBEAT_FIELDS, INDEX_BUCKETS, RedisKeys
+from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS, Heartbeat, RedisKeys
 from router.redis_index import Client, open_client
+from router.router_options import PUBLISH_DEPTH
 
 log = logging.getLogger("prefixgate.publisher")
 
@@ -33,8 +34,8 @@ log = logging.getLogger("prefixgate.publisher")
 class PublisherConfig:
     redis_url: str
     replica_id: str
-    key_prefix: str = "prefixgate"
-    depth: int = 64  # publish only the leading blocks of each prompt (64 x 16 = 1024 tokens)
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    depth: int = PUBLISH_DEPTH  # publish only the leading blocks of each prompt (64 x 16 = 1024 tokens)
     flush_s: float = 0.02
     heartbeat_s: float = 0.5
     heartbeat_ttl_s: float = 3.0
@@ -60,7 +61,7 @@ class BlockPublisher:
         self,
         config: PublisherConfig,
         snapshot: Callable[[], list[tuple[int, int]]],
-        load: Callable[[], dict[str, int]],
+        load: Callable[[], Heartbeat | dict[str, int]],
     ) -> None:
         """snapshot() returns (hash, position) of every cached block (or an awaitable of it)
         and must call reset_events() atomically with taking it (under the engine's lock)."""
@@ -203,11 +204,12 @@ class BlockPublisher:
 
     async def _heartbeat(self, writer: IndexWriter) -> None:
         load = self._load()
-        lost = await writer.heartbeat(self.config.replica_id, load, int(self.config.heartbeat_ttl_s * 1000))
+        mapping = load.to_redis() if isinstance(load, Heartbeat) else load
+        lost = await writer.heartbeat(self.config.replica_id, mapping, int(self.config.heartbeat_ttl_s * 1000))
         if lost and not self.resync_due:
             # The heartbeat was gone: Redis restarted, or we were silent long enough for
             # garbage collection to drop our blocks. Either way, publish everything again.
             self.request_resync()
 
 
-__all__ = ["BlockPublisher", "PublisherConfig", "PublisherStats", "HEARTBEAT_FIELDS"]
+__all__ = ["BlockPublisher", "PublisherConfig", "PublisherStats"]

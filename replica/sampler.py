@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from replica.constrained import GrammarMatcher, Grammars, allocate_bitmask, apply_bitmask
-from replica.sampling_params import SamplingParams
+from router.protocol.sampling import SamplingParams
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM report this for impossible tokens
 

@@ -14,13 +14,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from replica.block_manager import BlockManager
+from replica.engine_types import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from replica.sequence import Sequence, Status
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # prefill chunk budget per step, decodes included
+    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS  # prefill chunk budget per step, decodes included
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from replica.block_manager import BlockTable
-from replica.sampling_params import SamplingParams
+from router.protocol.sampling import SamplingParams
 
 _ids = itertools.count()
 

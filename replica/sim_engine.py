@@ -28,10 +28,10 @@ import xxhash
 
 from replica.detokenizer import Detokenizer
 from replica.engine_core import EngineCore
-from replica.engine_types import RequestOutput
-from replica.sampling_params import SamplingParams
+from replica.engine_types import BLOCK_SIZE, MAX_NUM_SEQS, RequestOutput
 from replica.scheduler import ScheduledChunk
 from replica.sequence import Sequence
+from router.protocol.sampling import SamplingParams
 from router.sim.service import ServiceModel
 from router.transfer_model import TransferModel
 
@@ -44,16 +44,16 @@ _LAG_BUCKETS = 1000  # histogram of actual/modelled in 1% buckets, last one open
 @dataclass
 class SimEngineConfig:
     model_id: str = "sim"  # identity in block hashes (the gateway's and router's model id)
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     num_blocks: int = 1024
-    max_num_seqs: int = 64
+    max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = 2048  # the service model's prefill chunk (decodes included)
     max_model_len: int = 4096
     vocab_size: int = 49152
     eos_token_ids: list[int] = field(default_factory=list)  # never emitted as fake output
     time_scale: float = 1.0  # run the service model this many times faster in wall time
     service: dict[str, float] = field(default_factory=dict)  # ServiceModel field overrides
-    # K/V pulls (the router's kv_source hint): modelled like the simulator's, GPU-like defaults
+    # K/V pulls (the router's pull hint): modelled like the simulator's, GPU-like defaults
     kv_bytes_per_token: float = TransferModel.kv_bytes_per_token
     pull_bytes_per_s: float = TransferModel.bytes_per_s
     pull_fixed_s: float = TransferModel.fixed_s

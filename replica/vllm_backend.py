@@ -36,10 +36,10 @@ from replica.default_model import resolve_model
 from replica.engine_protocol import Capabilities, ModelFacts
 from replica.engine_types import EngineConfig, EngineStats, InvalidRequestError, RequestOutput
 from replica.request_metrics import RequestMetrics
-from replica.sampling_params import SamplingParams
 from replica.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings
 from router.protocol.events import decode_batch
 from router.protocol.hashing import block_hashes
+from router.protocol.sampling import SamplingParams
 from router.vllm_events import EventTranslator
 
 log = logging.getLogger("prefixgate.replica.vllm")

@@ -36,9 +36,12 @@ class InflightPrefixes:
     to compute it again elsewhere. Counting what we just routed (the last `ttl_s`) closes that
     gap. Entries are kept for `keep_s` (>= ttl_s): when Redis is away, what this router sent in
     that longer window is the best guess of where a prefix is cached (`Decider.degraded`).
+    `clock` is the live router's monotonic clock; the simulator passes its simulated one.
     """
 
-    def __init__(self, ttl_s: float, max_entries: int = 200_000, keep_s: float | None = None) -> None:
+    def __init__(self, ttl_s: float, max_entries: int = 200_000, keep_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.ttl_s = ttl_s
         self.keep_s = max(keep_s if keep_s is not None else ttl_s, ttl_s)
         self.max_entries = max_entries
@@ -47,7 +50,7 @@ class InflightPrefixes:
         self._entries: OrderedDict[int, tuple[tuple[str, float], ...]] = OrderedDict()
 
     def add(self, hashes: list[int], replica_id: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         entries = self._entries
         for h in hashes:
             owners = entries.get(h)
@@ -62,7 +65,7 @@ class InflightPrefixes:
     def match(self, hashes: list[int], max_age_s: float | None = None) -> dict[str, int]:
         """Leading blocks of this prompt routed to each replica within `max_age_s` (default
         `ttl_s`): {replica: count}, for every replica whose run is at least one block."""
-        oldest = time.monotonic() - (self.ttl_s if max_age_s is None else max_age_s)
+        oldest = self.clock() - (self.ttl_s if max_age_s is None else max_age_s)
         alive: set[str] | None = None
         result: dict[str, int] = {}
         for i, h in enumerate(hashes, 1):
@@ -78,7 +81,7 @@ class InflightPrefixes:
         return result
 
     def _prune(self) -> None:
-        oldest = time.monotonic() - self.keep_s
+        oldest = self.clock() - self.keep_s
         entries = self._entries
         while entries:
             h, owners = next(iter(entries.items()))
@@ -91,22 +94,25 @@ class SessionMemory:
     """Each session's last replica as this router sent it, bounded in entries and age.
 
     Redis holds the shared copy; this one answers when Redis does not (a lookup timed out, or
-    Redis is away), so a conversation's next turn still goes where its blocks are."""
+    Redis is away), so a conversation's next turn still goes where its blocks are. `clock` as
+    for `InflightPrefixes`."""
 
-    def __init__(self, ttl_s: float = 1800.0, max_entries: int = 100_000) -> None:
+    def __init__(self, ttl_s: float = 1800.0, max_entries: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def remember(self, session_id: str, replica_id: str) -> None:
-        self._entries[session_id] = (replica_id, time.monotonic())
+        self._entries[session_id] = (replica_id, self.clock())
         self._entries.move_to_end(session_id)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
     def get(self, session_id: str | None) -> str | None:
         entry = self._entries.get(session_id) if session_id else None
-        if entry is None or time.monotonic() - entry[1] > self.ttl_s:
+        if entry is None or self.clock() - entry[1] > self.ttl_s:
             return None
         return entry[0]
 

@@ -14,14 +14,14 @@ import random
 import time
 from collections.abc import Iterable
 
-from router.protocol.redis_schema import HEARTBEAT_FIELDS, parse_heartbeat
+from router.protocol.redis_schema import LOAD_FIELDS, parse_heartbeat
 from router.redis_index import IndexUnavailable, RedisIndex
 from router.transfer_model import fleet_rate
 
 log = logging.getLogger("prefixgate.router")
 
 REFRESH_CHUNK = 32  # replicas per pipelined round trip of a load-table refresh
-_FIELDS = tuple(f.encode() for f in HEARTBEAT_FIELDS)
+_FIELDS = tuple(f.encode() for f in LOAD_FIELDS)
 
 
 class LoadTable:

@@ -1,12 +1,17 @@
 """In-memory prefix index: which replica holds which block hash.
 
-Same interface as the Redis index the router uses in production, so the simulator and the
-tests exercise the real policy against the same answers. Block hashes are chained (block i's
+What the Redis index holds, exactly and at once: the simulator's replicas feed it through the
+same KV-event hook the real ones publish with, and router/sim/index.py answers the router's
+lookups from it the way the Redis lookup does. Block hashes are chained (block i's
 key stands for the whole prefix up to it), so a match is the run of leading blocks a replica
 holds, stopping at the first one it lacks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Set
+
+_NONE: frozenset[str] = frozenset()
 
 
 class InMemoryIndex:
@@ -60,6 +65,11 @@ class InMemoryIndex:
             for r in alive:
                 result[r] = i
         return result
+
+    def holders(self, block_hash: int) -> Set[str]:
+        """Replicas holding this block (read-only): what the Redis index's set for the
+        block holds, for the simulator's lookup (router/sim/index.py)."""
+        return self._holders.get(block_hash) or _NONE
 
     def __len__(self) -> int:
         """Number of distinct hashes held by at least one replica."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from router import registry
+from router.registry import register_policy
 from router.transfer_model import TransferModel
 
 
@@ -116,130 +118,7 @@ class Policy:
         return ties[0] if len(ties) == 1 else self.rng.choice(ties)
 
 
-class RandomPolicy(Policy):
-    """Uniform choice: the baseline any cache-aware policy must beat."""
-
-    name = "random"
-    needs_all_replicas = True
-
-    def decide(self, request, replicas, session_replica=None):
-        _require(replicas)
-        v = self.rng.choice(replicas)
-        return Decision(v.replica_id, "fallback", v.matched_blocks)
-
-    def rank(self, request, replicas):
-        """Fallbacks in random order too: ranked by cached blocks, a full replica's overflow
-        would follow the cache and the baseline would not be cache-blind."""
-        order = list(replicas)
-        self.rng.shuffle(order)
-        return order
-
-
-class LeastLoadedPolicy(Policy):
-    """Minimum pending prefill work, then fewest requests: balances load, ignores the cache."""
-
-    name = "least-loaded"
-    needs_all_replicas = True
-
-    def decide(self, request, replicas, session_replica=None):
-        _require(replicas)
-        v = self._argmin(replicas, lambda r: (r.pending_prefill_tokens, _queued(r)))
-        return Decision(v.replica_id, "load", v.matched_blocks)
-
-    def rank(self, request, replicas):
-        """Fallbacks by load alone (cache-blind, like the choice)."""
-        return sorted(replicas, key=lambda r: (r.pending_prefill_tokens, _queued(r)))
-
-
-class PowerOfTwoPolicy(Policy):
-    """Two random candidates, keep the one with fewer running+waiting requests."""
-
-    name = "pow2"
-
-    def decide(self, request, replicas, session_replica=None):
-        _require(replicas)
-        if len(replicas) == 1:
-            v = replicas[0]
-        else:
-            a, b = self.rng.sample(replicas, 2)
-            v = a if _queued(a) <= _queued(b) else b
-        return Decision(v.replica_id, "load", v.matched_blocks)
-
-    def rank(self, request, replicas):
-        """Fallbacks by queue length alone (cache-blind, like the choice)."""
-        return sorted(replicas, key=_queued)
-
-
-class PrefixPolicy(Policy):
-    """Most matched blocks wins, ties by load. Greedy on cache, blind to queues: it piles a hot
-    prefix (and, when every prompt shares a system prompt, everything) onto one replica."""
-
-    name = "prefix"
-
-    def decide(self, request, replicas, session_replica=None):
-        _require(replicas)
-        v = self._argmin(
-            replicas, lambda r: (-r.matched_blocks, r.pending_prefill_tokens, _queued(r))
-        )
-        reason = "prefix" if v.matched_blocks > 0 else "load"
-        return Decision(v.replica_id, reason, v.matched_blocks)
-
-
-class HashRing:
-    """Consistent hashing with virtual nodes: removing one of N replicas moves only the keys it
-    owned (about 1/N), so the other replicas' caches stay warm."""
-
-    def __init__(self, replica_ids: list[str], vnodes: int = 64) -> None:
-        points = []
-        for rid in set(replica_ids):
-            for i in range(vnodes):
-                points.append((xxhash.xxh64_intdigest(f"{rid}#{i}".encode()), rid))
-        points.sort()
-        self._keys = [p[0] for p in points]
-        self._owners = [p[1] for p in points]
-
-    def lookup(self, key: int) -> str:
-        i = bisect.bisect_right(self._keys, key)
-        return self._owners[i % len(self._owners)]
-
-
-def session_key(request: RouteRequest) -> int | None:
-    """Ring key: the session id, else the first block hash (same system prompt, same replica)."""
-    if request.session_id is not None:
-        return xxhash.xxh64_intdigest(request.session_id.encode())
-    if request.block_hashes:
-        return xxhash.xxh64_intdigest(request.block_hashes[0].to_bytes(8, "little", signed=False))
-    return None
-
-
-class SessionPolicy(Policy):
-    """Consistent hashing on the session id over the live replica ids; ignores load."""
-
-    name = "session"
-
-    def __init__(self, *, seed: int | None = None, vnodes: int = 64) -> None:
-        super().__init__(seed=seed)
-        self.vnodes = vnodes
-        self._ring: HashRing | None = None
-        self._ring_ids: frozenset[str] = frozenset()
-
-    def ring(self, replica_ids: list[str]) -> HashRing:
-        ids = frozenset(replica_ids)
-        if self._ring is None or ids != self._ring_ids:
-            self._ring, self._ring_ids = HashRing(list(ids), self.vnodes), ids
-        return self._ring
-
-    def decide(self, request, replicas, session_replica=None):
-        _require(replicas)
-        key = session_key(request)
-        if key is None:
-            v = self.rng.choice(replicas)
-            return Decision(v.replica_id, "fallback", v.matched_blocks)
-        rid = self.ring([v.replica_id for v in replicas]).lookup(key)
-        v = next(r for r in replicas if r.replica_id == rid)
-        return Decision(rid, "session", v.matched_blocks)
-
-
+@register_policy(summary="cache affinity under a load budget: the replica whose cache saves the most prefill, until its queue costs more (the default)")
 class AffinityPolicy(Policy):
     """Cache affinity under a load budget (the default policy).
 
@@ -345,6 +224,7 @@ class AffinityPolicy(Policy):
         return Decision(best.replica_id, reason, best.matched_blocks)
 
 
+@register_policy(summary="affinity where a replica may copy a prefix's K/V from the replica holding it instead of recomputing it (docs/kv-pull.md)")
 class AffinityPullPolicy(AffinityPolicy):
     """Affinity where a replica may copy a prefix's K/V from another replica (issue 15).
 
@@ -460,23 +340,146 @@ class AffinityPullPolicy(AffinityPolicy):
         self._charge(replica_id, uncached, fleet_size)
 
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (
-        AffinityPolicy,
-        AffinityPullPolicy,
-        PrefixPolicy,
-        SessionPolicy,
-        PowerOfTwoPolicy,
-        RandomPolicy,
-        LeastLoadedPolicy,
-    )
-}
+@register_policy(summary="most matched leading blocks wins, ties by load; blind to queues")
+class PrefixPolicy(Policy):
+    """Most matched blocks wins, ties by load. Greedy on cache, blind to queues: it piles a hot
+    prefix (and, when every prompt shares a system prompt, everything) onto one replica."""
+
+    name = "prefix"
+
+    def decide(self, request, replicas, session_replica=None):
+        _require(replicas)
+        v = self._argmin(
+            replicas, lambda r: (-r.matched_blocks, r.pending_prefill_tokens, _queued(r))
+        )
+        reason = "prefix" if v.matched_blocks > 0 else "load"
+        return Decision(v.replica_id, reason, v.matched_blocks)
+
+
+class HashRing:
+    """Consistent hashing with virtual nodes: removing one of N replicas moves only the keys it
+    owned (about 1/N), so the other replicas' caches stay warm."""
+
+    def __init__(self, replica_ids: list[str], vnodes: int = 64) -> None:
+        points = []
+        for rid in set(replica_ids):
+            for i in range(vnodes):
+                points.append((xxhash.xxh64_intdigest(f"{rid}#{i}".encode()), rid))
+        points.sort()
+        self._keys = [p[0] for p in points]
+        self._owners = [p[1] for p in points]
+
+    def lookup(self, key: int) -> str:
+        i = bisect.bisect_right(self._keys, key)
+        return self._owners[i % len(self._owners)]
+
+
+def session_key(request: RouteRequest) -> int | None:
+    """Ring key: the session id, else the first block hash (same system prompt, same replica)."""
+    if request.session_id is not None:
+        return xxhash.xxh64_intdigest(request.session_id.encode())
+    if request.block_hashes:
+        return xxhash.xxh64_intdigest(request.block_hashes[0].to_bytes(8, "little", signed=False))
+    return None
+
+
+@register_policy(summary="consistent hashing on the session id (else the first block hash); ignores load")
+class SessionPolicy(Policy):
+    """Consistent hashing on the session id over the live replica ids; ignores load."""
+
+    name = "session"
+
+    def __init__(self, *, seed: int | None = None, vnodes: int = 64) -> None:
+        super().__init__(seed=seed)
+        self.vnodes = vnodes
+        self._ring: HashRing | None = None
+        self._ring_ids: frozenset[str] = frozenset()
+
+    def ring(self, replica_ids: list[str]) -> HashRing:
+        ids = frozenset(replica_ids)
+        if self._ring is None or ids != self._ring_ids:
+            self._ring, self._ring_ids = HashRing(list(ids), self.vnodes), ids
+        return self._ring
+
+    def decide(self, request, replicas, session_replica=None):
+        _require(replicas)
+        key = session_key(request)
+        if key is None:
+            v = self.rng.choice(replicas)
+            return Decision(v.replica_id, "fallback", v.matched_blocks)
+        rid = self.ring([v.replica_id for v in replicas]).lookup(key)
+        v = next(r for r in replicas if r.replica_id == rid)
+        return Decision(rid, "session", v.matched_blocks)
+
+
+@register_policy(summary="power of two choices: two random replicas, the one with fewer requests; ignores the cache", aliases=("power-of-two",))
+class PowerOfTwoPolicy(Policy):
+    """Two random candidates, keep the one with fewer running+waiting requests. Ray Serve's
+    default router does the same on its own queue counts (`ray-pow2`); this one is ours, so a
+    served and a simulated `pow2` are the same algorithm."""
+
+    name = "pow2"
+    needs_all_replicas = True  # two drawn from the whole fleet, as the simulator draws them
+
+    def decide(self, request, replicas, session_replica=None):
+        _require(replicas)
+        if len(replicas) == 1:
+            v = replicas[0]
+        else:
+            a, b = self.rng.sample(replicas, 2)
+            v = a if _queued(a) <= _queued(b) else b
+        return Decision(v.replica_id, "load", v.matched_blocks)
+
+    def rank(self, request, replicas):
+        """Fallbacks by queue length alone (cache-blind, like the choice)."""
+        return sorted(replicas, key=_queued)
+
+
+@register_policy(summary="uniform choice: the cache-blind baseline")
+class RandomPolicy(Policy):
+    """Uniform choice: the baseline any cache-aware policy must beat."""
+
+    name = "random"
+    needs_all_replicas = True
+
+    def decide(self, request, replicas, session_replica=None):
+        _require(replicas)
+        v = self.rng.choice(replicas)
+        return Decision(v.replica_id, "fallback", v.matched_blocks)
+
+    def rank(self, request, replicas):
+        """Fallbacks in random order too: ranked by cached blocks, a full replica's overflow
+        would follow the cache and the baseline would not be cache-blind."""
+        order = list(replicas)
+        self.rng.shuffle(order)
+        return order
+
+
+@register_policy(summary="least pending prefill, then fewest requests, over every replica; ignores the cache")
+class LeastLoadedPolicy(Policy):
+    """Minimum pending prefill work, then fewest requests: balances load, ignores the cache."""
+
+    name = "least-loaded"
+    needs_all_replicas = True
+
+    def decide(self, request, replicas, session_replica=None):
+        _require(replicas)
+        v = self._argmin(replicas, lambda r: (r.pending_prefill_tokens, _queued(r)))
+        return Decision(v.replica_id, "load", v.matched_blocks)
+
+    def rank(self, request, replicas):
+        """Fallbacks by load alone (cache-blind, like the choice)."""
+        return sorted(replicas, key=lambda r: (r.pending_prefill_tokens, _queued(r)))
+
+
+# Ours by name, in the order above (the default first): the registry's view, for the simulator.
+POLICIES: dict[str, type[Policy]] = {e.name: e.policy_class for e in registry.entries(registry.OURS)}
 
 
 def make_policy(name: str, *, seed: int | None = None, **options) -> Policy:
-    """Build a policy by name; unknown names raise ValueError listing the valid ones."""
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
-    return cls(seed=seed, **options)
+    """Build a policy of ours by name or alias; unknown names, and Ray's routers (which only
+    Ray Serve runs), raise ValueError listing ours."""
+    entry = registry.get(name)
+    if not entry.is_ours:
+        raise ValueError(f"policy {entry.name!r} is Ray Serve's router, not one of ours; ours: {', '.join(POLICIES)}")
+    return entry.policy_class(seed=seed, **options)

@@ -36,9 +36,10 @@ from router.load_table import LoadTable
 from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
 from router.protocol.hashing import block_hashes, chain_seed
-from router.protocol.messages import GenerateRequest, KvSource
-from router.protocol.redis_schema import INDEX_BUCKETS, INFLIGHT_TTL_S, LOOKUP_TIMEOUT_S
+from router.protocol.messages import GenerateRequest, KvSource, RouteDecision
+from router.protocol.redis_schema import INFLIGHT_TTL_S
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
+from router.router_options import RouterOptions
 
 log = logging.getLogger("prefixgate.router")
 
@@ -50,40 +51,29 @@ MAX_DECISIONS = 10_000
 
 
 class PrefixGateRouter(RequestRouter):
-    def initialize_state(
-        self,
-        policy: str = "affinity",
-        model_id: str = "SmolLM2-135M-Instruct",
-        block_size: int = 16,
-        publish_depth: int = 64,
-        redis_url: str | None = None,
-        key_prefix: str = "prefixgate",
-        redis_timeout_s: float = LOOKUP_TIMEOUT_S,
-        session_ttl_s: int = 1800,
-        seed: int | None = None,
-        policy_options: dict | None = None,
-        sampled_replicas: int = 4,
-        index_buckets: int = INDEX_BUCKETS,
-        load_refresh_s: float = 0.1,
-    ) -> None:
-        self.policy_name = policy
-        self.policy = make_policy(policy, seed=seed, **(policy_options or {}))
-        self.fallback = make_policy("session", seed=seed)
-        self.model_id = model_id
-        self.block_size = block_size
-        self.depth = publish_depth
-        self.sampled_replicas = sampled_replicas
+    def initialize_state(self, **options) -> None:
+        """`options`: the fields of RouterOptions (router/router_options.py), where each one's
+        default is defined; an unknown one is a TypeError naming it."""
+        o = self.options = RouterOptions(**options)
+        self.policy_name = o.policy
+        self.policy = make_policy(o.policy, seed=o.seed, **o.policy_options)
+        self.fallback = make_policy("session", seed=o.seed)
+        self.model_id = o.model_id
+        self.block_size = o.block_size
+        self.depth = o.publish_depth
+        self.sampled_replicas = o.sampled_replicas
         self.index = (
-            RedisIndex(RedisConfig(redis_url, key_prefix, redis_timeout_s, session_ttl_s=session_ttl_s, buckets=index_buckets))
-            if redis_url
+            RedisIndex(RedisConfig(o.redis_url, o.key_prefix, o.redis_timeout_s, session_ttl_s=o.session_ttl_s,
+                                   buckets=o.index_buckets))
+            if o.redis_url
             else None
         )
-        self.loads = LoadTable(self.index, load_refresh_s, seed=seed) if self.index is not None else None
+        self.loads = LoadTable(self.index, o.load_refresh_s, seed=o.seed) if self.index is not None else None
         self._seeds: dict[str | None, int] = {}
         self._background: set[asyncio.Task] = set()
         self.inflight = InflightPrefixes(INFLIGHT_TTL_S, keep_s=STALE_MEMORY_S)
         self.decider = (
-            Decider(self.policy, self.loads, self.inflight, sampled_replicas, SessionMemory(session_ttl_s))
+            Decider(self.policy, self.loads, self.inflight, o.sampled_replicas, SessionMemory(o.session_ttl_s))
             if self.loads is not None
             else None
         )
@@ -130,19 +120,12 @@ class PrefixGateRouter(RequestRouter):
         metrics.latency.observe(time.perf_counter() - start)
         metrics.decisions.labels(self.policy_name, decision.reason).inc()
         metrics.matched_blocks.labels(self.policy_name).inc(decision.matched_blocks)
-        req.route = {
-            "policy": self.policy_name,
-            "reason": decision.reason,
-            "replica": decision.replica_id,
-            "matched_blocks": decision.matched_blocks,
-        }
-        req.kv_source = None  # the hint is this decision's: never one left from an earlier route
-        if decision.pull_from is not None:
-            # the pull hint travels in the request itself: whichever replica takes it (this
-            # decision's or a fallback) copies these leading blocks from the holder
-            req.kv_source = KvSource(decision.pull_from, decision.pull_blocks)
-            req.route["pull_from"] = decision.pull_from
-            req.route["pull_blocks"] = decision.pull_blocks
+        # the decision travels beside the request, as the replica call's `route` keyword:
+        # whichever replica takes it (this decision's or a fallback) reads the pull hint there
+        pull = KvSource(decision.pull_from, decision.pull_blocks) if decision.pull_from is not None else None
+        pending_request.kwargs["route"] = RouteDecision(
+            self.policy_name, decision.reason, decision.replica_id, decision.matched_blocks, pull
+        )
         return self._ranks(routed, candidate_replicas, by_id)
 
     def _calibrate(self) -> None:

@@ -21,7 +21,13 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from router.protocol.redis_schema import INDEX_BUCKETS, LOOKUP_SCRIPT, LOOKUP_TIMEOUT_S, RedisKeys
+from router.protocol.redis_schema import (
+    DEFAULT_KEY_PREFIX,
+    INDEX_BUCKETS,
+    LOOKUP_SCRIPT,
+    LOOKUP_TIMEOUT_S,
+    RedisKeys,
+)
 
 Client = aioredis.Redis | RedisCluster
 KEY_CACHE_ENTRIES = 32_768  # encoded key names kept per router (about 10 MB at most)
@@ -30,7 +36,7 @@ KEY_CACHE_ENTRIES = 32_768  # encoded key names kept per router (about 10 MB at 
 @dataclass
 class RedisConfig:
     url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss:// (TLS), redis://:password@host
-    key_prefix: str = "prefixgate"
+    key_prefix: str = DEFAULT_KEY_PREFIX
     timeout_s: float = LOOKUP_TIMEOUT_S
     cooldown_s: float = 1.0
     # consecutive timed-out calls before the cool-down: one late reply (a GC pause, a CPU-starved

@@ -31,8 +31,9 @@ from router.protocol.events import (
     seq_from_bytes,
 )
 from router.protocol.hashing import block_hashes, chain_seed
-from router.protocol.redis_schema import INDEX_BUCKETS, RedisKeys
+from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS, RedisKeys
 from router.redis_index import Client, open_client
+from router.router_options import PUBLISH_DEPTH
 
 log = logging.getLogger("prefixgate.vllm_events")
 
@@ -43,9 +44,9 @@ class AdapterConfig:
     replica_id: str  # the id routers know this replica by
     redis_url: str
     model_id: str  # our hash spec's seed: must match the router's model_id
-    key_prefix: str = "prefixgate"
+    key_prefix: str = DEFAULT_KEY_PREFIX
     block_size: int = 16  # must match vLLM's block size and the router's
-    depth: int = 64  # leading blocks of a prompt published (as our publisher does)
+    depth: int = PUBLISH_DEPTH  # leading blocks of a prompt published (as our publisher does)
     cache_salt: str | None = None
     topic: bytes = b""
     buckets: int = INDEX_BUCKETS

@@ -18,7 +18,7 @@ import torch
 import replica.model_runner as model_runner
 from replica.bench import batch_prompts, warm_up
 from replica.engine import LLMEngine
-from replica.sampling_params import SamplingParams
+from router.protocol.sampling import SamplingParams
 
 
 def main() -> None:

@@ -31,29 +31,41 @@ from gateway.config import AppConfig  # noqa: E402
 from gateway.local_redis import free_port  # noqa: E402
 from gateway.stack import APP_NAME, LocalStack  # noqa: E402
 from replica.kv_pull import ReplicaCaller  # noqa: E402
-from router.protocol.messages import GenerateRequest, KvSource  # noqa: E402
+from router.protocol.messages import (  # noqa: E402
+    DeltaChunk,
+    EndChunk,
+    ErrorChunk,
+    GenerateRequest,
+    KvSource,
+    RouteDecision,
+    decode_chunk,
+)
+from router.protocol.sampling import SamplingParams  # noqa: E402
 
 BLOCK = 16
 
 
-def ttft(caller: ReplicaCaller, rid: str, req: GenerateRequest) -> tuple[float, list[int], dict]:
+def ttft(caller: ReplicaCaller, rid: str, prompt: list[int], pull: KvSource | None = None) -> tuple[float, list[int], EndChunk]:
+    """One greedy 1-token request on replica `rid` (with the router's pull hint, if any)."""
     import ray
 
+    req = GenerateRequest(prompt_token_ids=prompt, params=SamplingParams(max_tokens=1, temperature=0.0))
+    route = RouteDecision("affinity-pull", "pull", rid, 0, pull) if pull is not None else None
     actor = asyncio.run(caller._actor(rid))
     start = time.perf_counter()
-    gen = actor.handle_request_streaming.options(num_returns="streaming").remote(caller.metadata("generate", True), req)
+    gen = actor.handle_request_streaming.options(num_returns="streaming").remote(
+        caller.metadata("generate", True), req, route=route)
     first = None
     tokens: list[int] = []
-    end: dict = {}
+    end = None
     for ref in gen:
-        chunk = ray.get(ref, timeout=300)
-        if chunk["type"] == "error":
+        chunk = decode_chunk(ray.get(ref, timeout=300))
+        if isinstance(chunk, ErrorChunk):
             raise RuntimeError(chunk)
-        if chunk["type"] == "delta" and first is None:
-            first = time.perf_counter() - start
-        if chunk["type"] == "delta":
-            tokens += chunk["token_ids"]
-        elif chunk["type"] == "end":
+        if isinstance(chunk, DeltaChunk):
+            first = first if first is not None else time.perf_counter() - start
+            tokens += chunk.token_ids
+        elif isinstance(chunk, EndChunk):
             end = chunk
     return first, tokens, end
 
@@ -97,25 +109,24 @@ def main() -> None:
         def prompt() -> list[int]:
             return [rng.randrange(200, 40000) for _ in range(length)]
 
-        params = {"max_tokens": 1, "temperature": 0.0}
         warm = prompt()  # first requests pay one-time costs (allocator, kernels): not measured
-        ttft(caller, a, GenerateRequest(warm, params))
-        ttft(caller, b, GenerateRequest(warm, params, kv_source=KvSource(a, prefix_blocks)))
+        ttft(caller, a, warm)
+        ttft(caller, b, warm, KvSource(a, prefix_blocks))
         rows = []
         for r in range(args.rounds):
             p, q = prompt(), prompt()
-            t_holder, ref, _ = ttft(caller, a, GenerateRequest(p, params))
+            t_holder, ref, _ = ttft(caller, a, p)
             runs = {}
             order = ["pulled", "cold"] if r % 2 == 0 else ["cold", "pulled"]
             for kind in order:
                 if kind == "pulled":
-                    runs[kind] = ttft(caller, b, GenerateRequest(p, params, kv_source=KvSource(a, prefix_blocks)))
+                    runs[kind] = ttft(caller, b, p, KvSource(a, prefix_blocks))
                 else:
-                    runs[kind] = ttft(caller, b, GenerateRequest(q, params))
+                    runs[kind] = ttft(caller, b, q)
             t_pull, got, end = runs["pulled"]
             t_cold, _, end_cold = runs["cold"]
-            if got != ref or end["cached_tokens"] != prefix_blocks * BLOCK or end_cold["cached_tokens"] != 0:
-                raise RuntimeError(f"round {r}: pulled output {got} vs {ref}, cached {end['cached_tokens']}")
+            if got != ref or end.cached_tokens != prefix_blocks * BLOCK or end_cold.cached_tokens != 0:
+                raise RuntimeError(f"round {r}: pulled output {got} vs {ref}, cached {end.cached_tokens}")
             rows.append({"holder_cold_s": t_holder, "pulled_s": t_pull, "cold_s": t_cold})
             print(f"round {r}: cold {t_cold:.3f} s  pulled {t_pull:.3f} s  ratio {t_cold / t_pull:.1f}x", flush=True)
         stats = asyncio.run(caller.call(b, "info"))["stats"]["kv_pull"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replica.sampler import Sampler
-from replica.sampling_params import SamplingParams
+from router.protocol.sampling import SamplingParams
 
 
 @dataclass

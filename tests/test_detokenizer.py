@@ -8,8 +8,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from replica.detokenizer import PROMPT_CONTEXT, Detokenizer
-from replica.sampling_params import SamplingParams
 from replica.sequence import Sequence, Status
+from router.protocol.sampling import SamplingParams
 
 
 class CountingTokenizer:

@@ -10,13 +10,13 @@ import torch
 from gateway.app import vllm_settings
 from gateway.config import AppConfig
 from gateway.openai_models import CompletionRequest
-from replica.deployment import ReplicaSettings
 from replica.engine_protocol import Capabilities, EngineBackend, ModelFacts
 from replica.local_backend import LocalBackend
+from replica.replica_settings import ReplicaSettings
 from replica.sampler import Sampler
-from replica.sampling_params import SamplingParams
 from router.decider import Decider
 from router.policy import AffinityPullPolicy, ReplicaView, RouteRequest
+from router.protocol.sampling import SamplingParams
 
 
 def test_settings_name_one_backend():

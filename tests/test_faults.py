@@ -175,13 +175,67 @@ def test_replica_killed_mid_request_loses_nothing(stack, redis_server):
                 json={"model": MODEL, "max_tokens": 4,
                       "messages": [{"role": "system", "content": f"{uuid.uuid4()}"},
                                    {"role": "user", "content": f"{uuid.uuid4()} New {i}"}]})
-                for i in range(8)))
+                for i in range(8)), return_exceptions=True)
 
     responses = asyncio.run(burst())
+    failed = [r for r in responses if isinstance(r, BaseException)]
+    assert not failed, (failed, _heartbeats(stack.config))  # which replicas were live, and their load
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
     served = {r.headers["x-prefixgate-replica"] for r in responses}
     replacement = new - before
     assert len(replacement) == 1 and served <= new and served & replacement, (served, new, before)
+
+
+def test_frozen_replica_mid_stream_is_left_behind(stack):
+    """SIGSTOP the replica serving a greedy stream: its process lives, so Ray reports no death
+    and only the gateway's stall guard (no chunk, not even a keepalive, for stall_timeout_s)
+    can notice. The stream continues on the other replica, identical to an undisturbed run
+    with one [DONE]; the gateway counts a resumed migration; the replica, resumed (SIGCONT),
+    is live again (or replaced by Serve) afterwards."""
+    from tests.test_metrics import scrape, total
+
+    body = {"model": MODEL, "messages": STORY, "max_tokens": 96, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    headers = {"x-session-id": f"freeze-{uuid.uuid4().hex[:6]}"}
+    resumed_before = total(scrape(stack.metrics_port), "ray_prefixgate_migrations_total", outcome="resumed")
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=180) as client:
+            reference = await _stream(client, stack.url, body)
+            _assert_well_formed(reference)
+            out = {"status": None, "replica": None, "text": "", "finish": [], "usage": None, "errors": [],
+                   "done_at": [], "lines": 0}
+            pid = None
+            try:
+                async with client.stream("POST", f"{stack.url}/v1/chat/completions", json=body, headers=headers) as r:
+                    out["status"], out["replica"] = r.status_code, r.headers["x-prefixgate-replica"]
+                    async for line in r.aiter_lines():
+                        if not line:
+                            continue
+                        out["lines"] += 1
+                        if line == "data: [DONE]":
+                            out["done_at"].append(out["lines"])
+                        elif line.startswith("data: "):
+                            _take(out, json.loads(line[6:]))
+                        if pid is None and out["lines"] >= 4:
+                            pid = int(_heartbeats(stack.config)[out["replica"]]["pid"])
+                            os.kill(pid, signal.SIGSTOP)  # frozen mid-stream, 92 tokens to go
+            finally:
+                if pid is not None:
+                    os.kill(pid, signal.SIGCONT)
+            return reference, out
+
+    reference, disturbed = asyncio.run(asyncio.wait_for(scenario(), timeout=300))
+    _assert_well_formed(disturbed)
+    assert disturbed["text"] == reference["text"] and disturbed["finish"] == reference["finish"]
+    assert disturbed["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
+
+    def resumed() -> bool:
+        return total(scrape(stack.metrics_port), "ray_prefixgate_migrations_total", outcome="resumed") > resumed_before
+
+    asyncio.run(_wait(resumed, "the gateway's resumed-migration count (Ray exports every few s)", 90))
+    # the stack is whole again for the tests after this one
+    asyncio.run(_wait(lambda: len(_heartbeats(stack.config)) == 2, "two live replicas after SIGCONT", 180))
 
 
 @pytest.fixture(scope="module")

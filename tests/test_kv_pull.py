@@ -12,8 +12,8 @@ import pytest
 
 from replica import kv_transfer
 from replica.block_manager import BlockManager, BlockTable
-from replica.sampling_params import SamplingParams
 from router.protocol.hashing import block_hashes
+from router.protocol.sampling import SamplingParams
 from tests.conftest import TINY_FAMILIES
 
 BS = 4
@@ -447,18 +447,19 @@ def test_measured_pull_rate_expires_to_not_measured():
 
 
 def test_every_pull_pricing_field_is_a_heartbeat_field():
-    """The publisher writes only HEARTBEAT_FIELDS: a misspelt key would silently leave the router
+    """The routers read only LOAD_FIELDS: a misspelt key would silently leave the router
     on its defaults. Covers the puller's measured rates, the sim engine's modelled ones and the
     K/V size per token, as the replica's heartbeat assembles them."""
     from replica.kv_pull import KvPuller
     from replica.pull_load import add_pull_load
     from replica.sim_engine import SimEngine
-    from router.protocol.redis_schema import HEARTBEAT_FIELDS
+    from router.protocol.redis_schema import LOAD_FIELDS, Heartbeat
 
     puller = KvPuller(None, "me")  # type: ignore[arg-type]
     puller.record_rate(1_000, 1.0)
     modelled = SimEngine().pull_rates()
     written = add_pull_load({}, puller, kv_bytes_per_token=46_080, modelled_rates=modelled)
     assert set(puller.heartbeat()) | set(modelled) | {"kv_bytes_per_token"} <= set(written)
-    assert set(written) <= set(HEARTBEAT_FIELDS), set(written) - set(HEARTBEAT_FIELDS)
+    assert set(written) <= set(LOAD_FIELDS), set(written) - set(LOAD_FIELDS)
+    Heartbeat(**written)  # and the typed heartbeat takes every one of them
     assert "kv_bytes_per_token" in written and all(written[k] > 0 for k in modelled)

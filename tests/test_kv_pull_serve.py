@@ -21,8 +21,17 @@ import redis
 
 from replica.kv_pull import ReplicaCaller
 from router.protocol.hashing import block_hashes, chain_seed
-from router.protocol.messages import GenerateRequest, KvSource
+from router.protocol.messages import (
+    DeltaChunk,
+    EndChunk,
+    ErrorChunk,
+    GenerateRequest,
+    KvSource,
+    RouteDecision,
+    decode_chunk,
+)
 from router.protocol.redis_schema import RedisKeys
+from router.protocol.sampling import SamplingParams
 from tests.conftest import side_app
 
 BLOCK = 16
@@ -70,22 +79,25 @@ def _prompt(n: int) -> list[int]:
     return [rng.randrange(200, 40000) for _ in range(n)]
 
 
-def _generate(caller: ReplicaCaller, rid: str, req: GenerateRequest) -> tuple[list[int], dict]:
-    """Stream one request from replica `rid`: (output token ids, end chunk)."""
+def _generate(caller: ReplicaCaller, rid: str, call: tuple[GenerateRequest, RouteDecision | None]) -> tuple[list[int], EndChunk]:
+    """Stream one request from replica `rid`, its route beside it as the router passes it:
+    (output token ids, end chunk)."""
     import ray
 
+    req, route = call
     actor = asyncio.run(caller._actor(rid))
-    gen = actor.handle_request_streaming.options(num_returns="streaming").remote(caller.metadata("generate", True), req)
+    gen = actor.handle_request_streaming.options(num_returns="streaming").remote(
+        caller.metadata("generate", True), req, route=route)
     tokens: list[int] = []
-    end: dict = {}
+    end: EndChunk | None = None
     for ref in gen:
-        chunk = ray.get(ref, timeout=120)
-        assert chunk["type"] != "error", chunk
-        if chunk["type"] == "delta":
-            tokens += chunk["token_ids"]
-        elif chunk["type"] == "end":
+        chunk = decode_chunk(ray.get(ref, timeout=120))
+        assert not isinstance(chunk, ErrorChunk), chunk
+        if isinstance(chunk, DeltaChunk):
+            tokens += chunk.token_ids
+        elif isinstance(chunk, EndChunk):
             end = chunk
-    assert end, "the stream ended without an end chunk"
+    assert end is not None, "the stream ended without an end chunk"
     return tokens, end
 
 
@@ -93,8 +105,10 @@ def _stats(caller: ReplicaCaller, rid: str) -> dict:
     return asyncio.run(caller.call(rid, "info"))["stats"]["kv_pull"]
 
 
-def _request(prompt: list[int], source: KvSource | None = None) -> GenerateRequest:
-    return GenerateRequest(list(prompt), dict(GREEDY), kv_source=source)
+def _request(prompt: list[int], source: KvSource | None = None) -> tuple[GenerateRequest, RouteDecision | None]:
+    """A greedy request, and a route carrying the pull hint `source` (as our router sends it)."""
+    route = RouteDecision("affinity-pull", "pull", "test", 0, source) if source is not None else None
+    return GenerateRequest(prompt_token_ids=list(prompt), params=SamplingParams(**GREEDY)), route
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +120,13 @@ def test_pull_between_replicas_matches_recompute_and_reaches_the_index(stack, ca
     a, b = _pair(stack)
     prompt = _prompt(20 * BLOCK + 5)
     reference, cold = _generate(caller, a, _request(prompt))  # a computes it and holds it now
-    assert cold["cached_tokens"] == 0
+    assert cold.cached_tokens == 0
     before = _stats(caller, b)
     assert before["transport"] == "ray-object-store"
 
     pulled, end = _generate(caller, b, _request(prompt, KvSource(a, 20)))
     assert pulled == reference
-    assert end["cached_tokens"] == 20 * BLOCK  # the pulled blocks count as cache hits
+    assert end.cached_tokens == 20 * BLOCK  # the pulled blocks count as cache hits
     after = _stats(caller, b)
     assert after["ok"] == before["ok"] + 1
     assert after["pulled_blocks"] == before["pulled_blocks"] + 20
@@ -132,7 +146,7 @@ def test_pull_between_replicas_matches_recompute_and_reaches_the_index(stack, ca
 
     # a second request for the same prompt on b is a local hit: no second pull
     again, end2 = _generate(caller, b, _request(prompt, KvSource(a, 20)))
-    assert again == reference and end2["cached_tokens"] == 20 * BLOCK
+    assert again == reference and end2.cached_tokens == 20 * BLOCK
     assert _stats(caller, b)["skipped"] == after["skipped"] + 1
 
 
@@ -173,11 +187,11 @@ def test_pull_that_cannot_succeed_recomputes(stack, caller):
     # the hinted holder does not have the blocks (evicted, or a stale index): empty answer
     lacking = _prompt(10 * BLOCK + 3)
     got, end = _generate(caller, b, _request(lacking, KvSource(a, 10)))
-    assert end["cached_tokens"] == 0
+    assert end.cached_tokens == 0
     # no such replica: the lookup fails
     unknown = _prompt(10 * BLOCK + 3)
     got2, end2 = _generate(caller, b, _request(unknown, KvSource("no-such-replica", 10)))
-    assert end2["cached_tokens"] == 0
+    assert end2.cached_tokens == 0
     after = _stats(caller, b)
     assert after["empty"] == before["empty"] + 1 and after["failed"] == before["failed"] + 1
     # both outputs are what a plain cold computation gives (on the other replica)
@@ -212,7 +226,7 @@ def test_holder_killed_mid_pull_still_completes(stack, caller):
     assert not worker.is_alive(), "the request never finished"
     assert "error" not in result, result.get("error")
     tokens, end = result["out"]
-    assert tokens == reference and end["cached_tokens"] == 0
+    assert tokens == reference and end.cached_tokens == 0
     after = _stats(caller, b)
     assert after["failed"] + after["timeouts"] == before["failed"] + before["timeouts"] + 1
     assert after["ok"] == before["ok"]

@@ -10,7 +10,15 @@ import pytest
 
 from gateway.migration import MigrationPolicy, ResilientStream, derive_seed
 from replica.engine import LLMEngine, SamplingParams
-from router.protocol.messages import GenerateRequest
+from router.protocol.messages import (
+    AliveChunk,
+    DeltaChunk,
+    EndChunk,
+    ErrorChunk,
+    GenerateRequest,
+    StartChunk,
+    encode_chunk,
+)
 
 PROMPT = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
 
@@ -108,9 +116,15 @@ def _script(*runs):
         for chunk in run:
             if chunk == "die":
                 raise ReplicaDied("actor died")
-            yield chunk
+            if chunk == "freeze":  # a frozen replica: silent, neither output nor an error
+                await asyncio.Event().wait()
+            yield chunk if isinstance(chunk, bytes) else encode_chunk(chunk)
 
     return call, calls
+
+
+def _request(prompt: list[int], **params) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=prompt, params=SamplingParams(**params))
 
 
 def _collect(call, req, policy=None):
@@ -121,61 +135,141 @@ def _collect(call, req, policy=None):
     return asyncio.run(asyncio.wait_for(go(), 30))
 
 
-START = {"type": "start", "replica": "A", "route": None}
+START = StartChunk("A")
 
 
 def _delta(ids, text):
-    return {"type": "delta", "token_ids": ids, "text": text}
+    return DeltaChunk(ids, text)
+
+
+def _start(replica: str) -> StartChunk:
+    return StartChunk(replica)
+
+
+def _kinds(chunks) -> list[str]:
+    return [type(c).__struct_config__.tag for c in chunks]
 
 
 def test_wrapper_continues_with_sent_tokens_and_derived_seed():
-    end = {"type": "end", "finish_reason": "length", "prompt_tokens": 3, "cached_tokens": 9, "completion_tokens": 4}
+    end = EndChunk("length", prompt_tokens=3, cached_tokens=9, completion_tokens=4)
     call, calls = _script(
         [START, _delta([7], "a"), _delta([8], ""), "die"],
-        [{**START, "replica": "B"}, {"type": "error", "code": 503, "message": "draining", "retry": True}],
-        [{**START, "replica": "C"}, _delta([9], "bc"), _delta([10], "d"), end],
+        [_start("B"), ErrorChunk(503, "draining", retry=True)],
+        [_start("C"), _delta([9], "bc"), _delta([10], "d"), end],
     )
-    req = GenerateRequest([1, 2, 3], {"max_tokens": 4, "seed": 5})
+    req = _request([1, 2, 3], max_tokens=4, seed=5)
     chunks = _collect(call, req)
-    assert [c["replica"] for c in chunks if c["type"] == "start"] == ["A", "B", "C"]
-    assert "".join(c["text"] for c in chunks if c["type"] == "delta") == "abcd"
+    assert [c.replica for c in chunks if isinstance(c, StartChunk)] == ["A", "B", "C"]
+    assert "".join(c.text for c in chunks if isinstance(c, DeltaChunk)) == "abcd"
     assert calls[0] is req
     for again in calls[1:]:
         assert again.prompt_token_ids == [1, 2, 3] and again.prefix_output_token_ids == [7, 8]
-        assert again.prefix_text_len == 1 and again.params["seed"] == derive_seed(5, 2)
+        assert again.prefix_text_len == 1 and again.params.seed == derive_seed(5, 2)
         assert again.request_id != req.request_id
     final = chunks[-1]
-    assert final["type"] == "end" and final["cached_tokens"] == 3  # capped at the prompt
-    assert [m["recompute_tokens"] for m in final["migrations"]] == [5, 5]
+    assert isinstance(final, EndChunk) and final.cached_tokens == 3  # capped at the prompt
+    assert [m["recompute_tokens"] for m in final.migrations] == [5, 5]
 
 
 def test_wrapper_retries_before_first_token_with_the_same_request():
-    end = {"type": "end", "finish_reason": "stop", "prompt_tokens": 2, "cached_tokens": 0, "completion_tokens": 1}
+    end = EndChunk("stop", prompt_tokens=2, cached_tokens=0, completion_tokens=1)
     call, calls = _script([START, "die"], [START, _delta([4], "x"), end])
-    req = GenerateRequest([1, 2], {"max_tokens": 4, "seed": 5})
+    req = _request([1, 2], max_tokens=4, seed=5)
     chunks = _collect(call, req)
     assert calls[1].prefix_output_token_ids == [] and calls[1].params == req.params
-    assert chunks[-1]["type"] == "end"
+    assert isinstance(chunks[-1], EndChunk)
 
 
 def test_wrapper_bounds_attempts_and_passes_bad_requests_through():
     call, calls = _script(*[[START, _delta([1], "a"), "die"]] * 3)
-    chunks = _collect(call, GenerateRequest([1], {"max_tokens": 9}), MigrationPolicy(max_attempts=3, backoff_s=0.0))
+    chunks = _collect(call, _request([1], max_tokens=9), MigrationPolicy(max_attempts=3, backoff_s=0.0))
     assert len(calls) == 3
-    assert chunks[-1]["type"] == "error" and chunks[-1]["code"] == 503 and chunks[-1]["exhausted"]
-    bad = {"type": "error", "code": 400, "message": "bad"}
+    assert isinstance(chunks[-1], ErrorChunk) and chunks[-1].code == 503 and chunks[-1].exhausted
+    bad = ErrorChunk(400, "bad")
     call, calls = _script([START, bad])
-    chunks = _collect(call, GenerateRequest([1], {"max_tokens": 9}))
+    chunks = _collect(call, _request([1], max_tokens=9))
     assert len(calls) == 1 and chunks[-1] == bad
 
 
-def test_a_continuation_drops_the_first_routes_pull_hint():
-    """The hint may name the replica that just died: a continuation is routed afresh."""
-    from gateway.migration import continuation
-    from router.protocol.messages import KvSource
+def test_wrapper_ends_a_malformed_chunk_with_a_502_not_a_retry():
+    """A chunk that is not the protocol's (another version, a bug) fails the same way on every
+    replica: the request ends with a clear 502 instead of six futile attempts."""
+    call, calls = _script([START, b"\x81\xa4type\xa5delta"])  # a delta without its fields
+    chunks = _collect(call, _request([1], max_tokens=9))
+    assert len(calls) == 1 and isinstance(chunks[-1], ErrorChunk) and chunks[-1].code == 502
 
-    req = GenerateRequest([1, 2, 3], {"max_tokens": 4}, kv_source=KvSource("dead-replica", 2),
-                          route={"reason": "pull", "replica": "r1", "matched_blocks": 0})
+
+def test_a_continuation_is_a_new_request_with_the_sent_tokens():
+    """The router's decision (and its pull hint, which may name the replica that just died)
+    travels beside the request, so a continuation cannot carry it: it is routed afresh."""
+    from gateway.migration import continuation
+
+    req = _request([1, 2, 3], max_tokens=4)
     cont = continuation(req, [7, 8], 2)
-    assert cont.kv_source is None and cont.route is None
+    assert not hasattr(cont, "route") and not hasattr(cont, "kv_source")
     assert cont.prefix_output_token_ids == [7, 8] and cont.prompt_token_ids == [1, 2, 3]
+    assert cont.request_id != req.request_id and req.prefix_output_token_ids == []
+
+
+def test_wrapper_moves_a_request_off_a_silent_replica_and_drops_keepalives():
+    """A replica that started the request and then went silent (frozen: Ray sees no death) is
+    left after the stall timeout, and the stream continues elsewhere; "alive" chunks keep a
+    slow replica from counting as silent and never reach the caller."""
+    end = EndChunk("length", prompt_tokens=2, cached_tokens=0, completion_tokens=2)
+    call, calls = _script(
+        [START, _delta([7], "a"), "freeze"],
+        [_start("B"), AliveChunk(), AliveChunk(), _delta([8], "b"), end],
+    )
+    req = _request([1, 2], max_tokens=2)
+    chunks = _collect(call, req, MigrationPolicy(backoff_s=0.0, stall_timeout_s=0.2))
+    assert len(calls) == 2 and calls[1].prefix_output_token_ids == [7]
+    assert _kinds(chunks) == ["start", "delta", "start", "delta", "end"]
+    assert "ReplicaStalled" in chunks[-1].migrations[0]["reason"]
+
+
+def test_wrapper_waits_without_bound_before_the_replica_starts():
+    """Before "start" the request may sit in Serve's queue: the stall guard does not apply."""
+    end = EndChunk("stop", prompt_tokens=1, cached_tokens=0, completion_tokens=1)
+    queued = asyncio.Event()
+
+    async def call(req):
+        await asyncio.sleep(0.5)  # longer than the stall timeout, before any chunk
+        queued.set()
+        for chunk in (START, _delta([4], "x"), end):
+            yield encode_chunk(chunk)
+
+    chunks = _collect(call, _request([1], max_tokens=1), MigrationPolicy(backoff_s=0.0, stall_timeout_s=0.1))
+    assert queued.is_set() and isinstance(chunks[-1], EndChunk) and chunks[-1].migrations == []
+
+
+def test_keepalive_marks_silence_and_closes_its_source():
+    from replica.keepalive import with_keepalive
+
+    closed = asyncio.Event()
+    release = asyncio.Event()
+
+    async def source():
+        try:
+            yield 1
+            await release.wait()  # silent until released
+            yield 2
+            await asyncio.Event().wait()  # silent for good
+        finally:
+            closed.set()
+
+    async def go():
+        out = []
+        stream = with_keepalive(source(), 0.05)
+        async for item in stream:
+            out.append(item)
+            if out.count(None) == 2 and not release.is_set():
+                release.set()
+            if item is None and 2 in out:
+                break  # leave while a read of the source is pending
+        await stream.aclose()
+        return out
+
+    out = asyncio.run(asyncio.wait_for(go(), 30))
+    two = out.index(2)
+    assert out[0] == 1 and out[two + 1:] == [None] and out.count(None) >= 3 and set(out[1:two]) == {None}
+    assert closed.is_set()  # leaving early cancelled the pending read and closed the source

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from replica.sampling_params import SamplingParams
+from router.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

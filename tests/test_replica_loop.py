@@ -14,7 +14,7 @@ import redis
 
 from replica.async_engine import AsyncLLMEngine, EngineDeadError
 from replica.engine import LLMEngine, SamplingParams
-from router.protocol.messages import GenerateRequest
+from router.protocol.messages import GenerateRequest, StartChunk, decode_chunk
 from router.protocol.redis_schema import RedisKeys
 
 
@@ -51,12 +51,11 @@ def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
             await _until(lambda: replica.publisher.stats.resyncs > 0, "the first publish")
             tok = eng.engine.tokenizer
             prompt = tok.encode("The lighthouse keeper wrote in his log every night. " * 140)[:1500]
-            request = GenerateRequest(prompt, {"max_tokens": 64, "ignore_eos": True})
+            request = GenerateRequest(prompt_token_ids=prompt, params=SamplingParams(max_tokens=64, ignore_eos=True))
             before = eng.steps_finished
-            chunks: list[dict] = []
             gen = replica.generate(request)
-            chunks.append(await gen.__anext__())  # "start"
-            pending = asyncio.ensure_future(gen.__anext__())  # submits the request, waits for a token
+            assert isinstance(decode_chunk(await gen.__anext__()), StartChunk)
+            pending = asyncio.ensure_future(gen.__anext__())  # submits the request, waits for output
             await _until(lambda: eng.step_started_at is not None and eng.steps_started == before + 1, "the prefill step")
             k = eng.steps_started  # the long step: started, not finished
             step_began = eng.step_started_at

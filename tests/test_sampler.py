@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replica.sampler import Sampler, probabilities
-from replica.sampling_params import SamplingParams
+from router.protocol.sampling import SamplingParams
 
 
 @dataclass

@@ -4,10 +4,10 @@ preempted. Pure logic on the tensor-free BlockManager."""
 from __future__ import annotations
 
 from replica.block_manager import BlockManager
-from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler, SchedulerConfig
 from replica.sequence import Sequence, Status
 from router.protocol.hashing import block_hashes
+from router.protocol.sampling import SamplingParams
 
 BS = 4
 

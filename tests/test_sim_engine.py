@@ -16,9 +16,9 @@ import pytest
 
 from replica.async_engine import AsyncLLMEngine
 from replica.engine_types import InvalidRequestError
-from replica.sampling_params import SamplingParams
 from replica.sim_engine import SimEngine, SimEngineConfig, StepLag, fake_token_text
 from router.memory_index import InMemoryIndex
+from router.protocol.sampling import SamplingParams
 from router.sim.replica import Job, SimReplica
 from router.sim.service import ServiceModel
 from router.sim.trace import prompt_tokens, scale_rows
@@ -37,7 +37,7 @@ def test_imports_no_torch():
     code = textwrap.dedent("""
         import sys
         import replica.sim_engine, replica.deployment, gateway.server, gateway.app, gateway.tokenization
-        from replica.deployment import ReplicaSettings
+        from replica.replica_settings import ReplicaSettings
         ReplicaSettings.from_dict({"sim": {"num_blocks": 8}})
         heavy = sorted(m for m in ("torch", "replica.engine", "replica.model_runner", "replica.sampler") if m in sys.modules)
         print(heavy)

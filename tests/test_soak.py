@@ -20,7 +20,7 @@ import pytest
 
 from replica.async_engine import AsyncLLMEngine
 from replica.engine import LLMEngine, RequestOutput
-from replica.sampling_params import SamplingParams
+from router.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -1,68 +1,122 @@
-"""What the gateway sends a replica and what streams back: shared by gateway, router, replica."""
+"""The messages between gateway, router and replica: one typed definition, checked on entry.
+
+* `GenerateRequest` (gateway -> replica, through the router): built by the gateway, read by
+  the router in the gateway's process, and re-validated field by field where it enters the
+  replica (`checked_request`), so a malformed request is refused there, not half-run.
+* `RouteDecision` (router -> replica): what the router chose and why, including a pull hint.
+  It travels beside the request as the `route` keyword of the replica call, never inside
+  the request: a retry is a new call, so it can never carry an earlier attempt's decision.
+* The stream chunks (replica -> gateway): msgpack-encoded structs, decoded by the gateway
+  with `decode_chunk`, which rejects a chunk that does not match its type.
+"""
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any
+
+import msgspec
+
+from router.protocol.sampling import SamplingParams
+
+# A replica with nothing else to send for this long sends an AliveChunk, so the gateway can
+# tell a request that is slow (queued, long prefill) from a replica that stopped answering
+# (frozen, wedged, dead without Ray noticing) and move the request after its stall timeout.
+KEEPALIVE_S = 2.0
 
 
-@dataclass
-class KvSource:
-    """A pull hint from the router (docs/kv-pull.md): another replica holds the prompt's leading
-    blocks, so the replica taking the request copies their K/V from it instead of computing them.
-    The receiver recomputes the hashes from the prompt itself; a failed pull means recompute."""
+class KvSource(msgspec.Struct, frozen=True):
+    """A pull hint (docs/kv-pull.md): another replica holds the prompt's leading blocks, so
+    the replica taking the request copies their K/V from it instead of computing them. The
+    receiver recomputes the hashes from the prompt itself; a failed pull means recompute."""
 
     replica_id: str  # the holder, as in the index (Serve's replica unique id)
     num_blocks: int  # leading full blocks of the prompt to pull from it
 
 
-@dataclass
-class GenerateRequest:
+class RouteDecision(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Our router's choice for one request, passed to the replica beside the request."""
+
+    policy: str
+    reason: str  # prefix, session, load, stale, fallback, ... (router/decider.py)
+    replica: str  # the replica the policy chose (Ray may place it on a fallback)
+    matched_blocks: int = 0
+    pull: KvSource | None = None  # copy these leading blocks from another replica first
+
+    def as_dict(self) -> dict[str, Any]:
+        """The decision as the gateway reports it (`prefixgate.route` in responses)."""
+        out: dict[str, Any] = {"policy": self.policy, "reason": self.reason, "replica": self.replica,
+                               "matched_blocks": self.matched_blocks}
+        if self.pull is not None:
+            out["pull_from"], out["pull_blocks"] = self.pull.replica_id, self.pull.num_blocks
+        return out
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams fields
+    params: SamplingParams
     prompt: str = ""  # rendered prompt text: read only by Ray's PrefixCacheAffinityRouter baseline
     session_id: str | None = None
     cache_salt: str | None = None  # tenant salt: tenants never share cached blocks
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    route: dict[str, Any] | None = None  # set by our router: {"reason", "replica", "matched_blocks"}
+    request_id: str = msgspec.field(default_factory=lambda: uuid.uuid4().hex)
     # a migrated stream: output another replica generated and the client already got (token
     # ids, and how many characters of their text were sent); the replica continues after them
-    prefix_output_token_ids: list[int] = field(default_factory=list)
+    prefix_output_token_ids: list[int] = msgspec.field(default_factory=list)
     prefix_text_len: int = 0
-    kv_source: KvSource | None = None  # pull these leading blocks from another replica (router's hint)
 
 
-# What a replica streams back, one chunk at a time: plain dicts at runtime (cheap to pickle
-# across Ray), typed here so that gateway and replica share one definition.
-class StartChunk(TypedDict):
-    type: Literal["start"]
+def checked_request(request: Any) -> GenerateRequest:
+    """`request` re-validated field by field (types and SamplingParams' rules), as it enters a
+    replica: Ray unpickles whatever was sent, and a wrong field must be a clear error here."""
+    return msgspec.convert(msgspec.to_builtins(request), GenerateRequest)
+
+
+# ---- what a replica streams back, one chunk at a time --------------------------------------
+class StartChunk(msgspec.Struct, tag="start"):
+    """First chunk of every attempt: which replica took the request, and the router's reason."""
+
     replica: str
-    route: dict[str, Any] | None
+    route: RouteDecision | None = None
 
 
-class DeltaChunk(TypedDict):
-    type: Literal["delta"]
+class DeltaChunk(msgspec.Struct, tag="delta"):
     token_ids: list[int]
     text: str
     # when the request asked for logprobs, one entry per token in token_ids:
     # {"token_id", "token", "bytes", "logprob", "top": [{"token_id", "token", "bytes", "logprob"}]}
-    logprobs: NotRequired[list[dict[str, Any]]]
+    logprobs: list[dict[str, Any]] | None = None
 
 
-class EndChunk(TypedDict):
-    type: Literal["end"]
+class EndChunk(msgspec.Struct, tag="end"):
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # replica failures the gateway survived on the way (gateway/migration.py fills it in)
+    migrations: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 
-class ErrorChunk(TypedDict, total=False):
-    type: Literal["error"]
+class ErrorChunk(msgspec.Struct, tag="error"):
     code: int  # HTTP status the gateway answers with: 400 bad request, 503 replica failed
     message: str
-    retry: bool  # the request may continue on another replica (this one is draining or failed)
+    retry: bool = False  # the request may continue on another replica (this one is draining or failed)
+    exhausted: bool = False  # set by the gateway: every attempt failed (a 503 with Retry-After)
 
 
-Chunk = StartChunk | DeltaChunk | EndChunk | ErrorChunk
+class AliveChunk(msgspec.Struct, tag="alive"):
+    """Nothing to send yet, but the replica is working on the request (see KEEPALIVE_S)."""
+
+
+Chunk = StartChunk | DeltaChunk | EndChunk | ErrorChunk | AliveChunk
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Chunk)
+
+
+def encode_chunk(chunk: Chunk) -> bytes:
+    return _encoder.encode(chunk)
+
+
+def decode_chunk(data: bytes) -> Chunk:
+    """A chunk as it enters the gateway: a malformed one raises msgspec.ValidationError."""
+    return _decoder.decode(data)

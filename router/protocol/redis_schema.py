@@ -6,7 +6,7 @@ deployment, so several deployments can share a Redis (standalone or Cluster).
   {p:bK}:fl:{hash}      STR   replica a router just sent this block's prompt to, before any
                               replica has computed it (in flight); a few seconds' TTL
   {p}:blocks:{rid}      SET   block hashes (decimal) one replica holds: resync and clean-up
-  {p}:hb:{rid}          HASH  load of a live replica (HEARTBEAT_FIELDS); short TTL
+  {p}:hb:{rid}          HASH  a live replica's Heartbeat (load and process facts); short TTL
   {p}:replicas          SET   replica ids that have registered (for garbage collection)
   {p}:gc-lease          STR   holder of this period's garbage collection (SET NX PX)
   {p}:session:{sid}     STR   replica that served the session's last turn; sliding TTL
@@ -18,12 +18,14 @@ Only hashes, replica ids and counters are stored: never prompt text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+import msgspec
 
 
-@dataclass
-class Heartbeat:
-    """A replica's load, as written in its heartbeat hash (every field an integer)."""
+class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A replica's heartbeat hash, every field it writes. Routers read the load fields
+    (LOAD_FIELDS, integers); operators, the fault tests and the fleet harness read the rest."""
 
     running: int = 0
     waiting: int = 0
@@ -36,7 +38,29 @@ class Heartbeat:
     prefill_tokens_per_s: int = 0  # prompt tokens computed per second of prefill, recent requests
     kv_bytes_per_token: int = 0  # K/V bytes one token occupies in its pool (what a pull moves per token)
     kv_pull: int = 0  # 1: the replica exports and imports K/V, so pull hints may name it (issue 21)
+    # not read by routers
+    pid: int = 0  # the replica's process (operators, the fault tests)
+    generated_tokens: int = 0  # output tokens since start (tests see whether an aborted request stopped)
+    step_lag: float | None = None  # sim engine: actual / modelled step time - 1 (the fleet harness)
 
+    def to_redis(self) -> dict[str, int | float]:
+        """The HSET mapping: every field, but none left unset (Redis stores no None)."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_redis(cls, fields: dict) -> Heartbeat:
+        """An HGETALL answer (strings) -> Heartbeat; unknown fields are ignored (an older or
+        newer replica), a malformed value raises msgspec.ValidationError."""
+        return msgspec.convert({k: v for k, v in fields.items() if k in _ALL_FIELDS}, cls, strict=False)
+
+
+_ALL_FIELDS = frozenset(Heartbeat.__struct_fields__)
+# What a router's load table reads of each heartbeat (one HMGET per replica), in this order.
+LOAD_FIELDS: tuple[str, ...] = tuple(f for f in Heartbeat.__struct_fields__ if f not in ("pid", "generated_tokens", "step_lag"))
+
+
+# Key prefix of a deployment that names none (several deployments can share one Redis).
+DEFAULT_KEY_PREFIX = "prefixgate"
 
 # The longest a routing decision waits for Redis (then it routes without the index). One value
 # for RedisConfig, the router and the gateway's AppConfig.redis_timeout_s.
@@ -53,20 +77,16 @@ INDEX_BUCKETS = 16
 # (docs/vllm.md). A mark outliving an aborted request costs at most one miss.
 INFLIGHT_TTL_S = 20.0
 
-# Defined once, by the dataclass: the publisher writes these, the load table reads them.
-HEARTBEAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Heartbeat))
-
-
 def parse_heartbeat(values: list) -> dict[str, int] | None:
-    """HMGET answer (in HEARTBEAT_FIELDS order) -> load dict; None when the hash is gone."""
+    """HMGET answer (in LOAD_FIELDS order) -> load dict; None when the hash is gone."""
     if values is None or all(v is None for v in values):
         return None
-    return {k: int(v or 0) for k, v in zip(HEARTBEAT_FIELDS, values, strict=True)}
+    return {k: int(v or 0) for k, v in zip(LOAD_FIELDS, values, strict=True)}
 
 
 @dataclass(frozen=True)
 class RedisKeys:
-    prefix: str = "prefixgate"
+    prefix: str = DEFAULT_KEY_PREFIX
     buckets: int = INDEX_BUCKETS
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import PolicyResult
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
 from router.sim.replica import HOLDER_MODES
+from router.sim.router_config import SimRouterConfig
 from router.sim.service import ServiceModel
 from router.sim.workload import SESSION_MODES, WORKLOADS, SimRequest, distinct_blocks, load_mooncake
 from router.transfer_model import TransferModel
@@ -79,6 +80,42 @@ def make_transfer(service: ServiceModel, overrides: dict[str, float]) -> Transfe
     return TransferModel(**{"prefill_tokens_per_s": 1.0 / service.prefill_s_per_token, **overrides})
 
 
+# SimRouterConfig fields as flags: help, and where the default comes from
+ROUTER_FLAGS = {
+    "sampled_replicas": ("replicas scored for load alone, besides the matched and the session's",
+                         "RouterOptions"),
+    "session_ttl_s": ("how long a session's replica is remembered (Redis key and router memory)",
+                      "RouterOptions"),
+    "publish_depth": ("leading blocks of a prompt that are hashed and matched", "RouterOptions"),
+    "load_refresh_s": ("load-table refresh period in simulated seconds, with --stale-loads",
+                       "RouterOptions"),
+    "inflight_ttl_s": ("how long a routed prefix counts as in flight", "INFLIGHT_TTL_S"),
+    "stale_memory_s": ("how long a degraded decision remembers routed prefixes", "decider.STALE_MEMORY_S"),
+    "lookup_sample": ("holders a lookup samples where a match ends", "RedisConfig.sample"),
+    "lookup_keep": ("replicas a lookup reports at most", "RedisConfig.keep"),
+    "index_down": ("probability that a lookup fails, so the decision takes the degraded (stale) path",
+                   "simulator only"),
+}
+
+
+def add_router_flags(p: argparse.ArgumentParser) -> None:
+    """The live router's options, defaults from `SimRouterConfig` (itself from the live router)."""
+    defaults = SimRouterConfig()
+    g = p.add_argument_group("router", "the live router's decision path (router/decider.py) and its options")
+    for name, (text, source) in ROUTER_FLAGS.items():
+        default = getattr(defaults, name)
+        kind = float if name.endswith("_s") or isinstance(default, float) else int
+        g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
+                       help=f"{text} (default {default}, from {source})")
+    g.add_argument("--stale-loads", action="store_true",
+                   help="load table refreshed every --load-refresh-s instead of exact at each decision")
+
+
+def router_config(args: argparse.Namespace) -> SimRouterConfig:
+    return SimRouterConfig(seed=args.seed, stale_loads=args.stale_loads,
+                           **{name: getattr(args, name) for name in ROUTER_FLAGS})
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixgate sim", description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["mooncake", *WORKLOADS], default="mooncake")
@@ -105,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a pull does to the holder's copy in its LRU: keep its place (default), "
                         "touch (most recent, as the real engine's export today), demote (next to evict)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    add_router_flags(p)
     return p
 
 
@@ -139,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         policy_opts = parse_overrides(args.policy_opt)
         check_options(policy_opts)
         transfer = make_transfer(service, parse_overrides(args.transfer))
+        router = router_config(args)
         requests = load_workload(args)
     except (OSError, TypeError, ValueError) as e:
         print(f"prefixgate sim: {e}", file=sys.stderr)
@@ -159,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             pooled = pooled_lru_hits(requests, cap * n) / total
             config = SimConfig(replicas=n, capacity_blocks=cap, service=service,
                                time_scale=scale, window_s=args.window, transfer=transfer,
-                               pull_holder=args.pull_holder)
+                               pull_holder=args.pull_holder, router=router)
             rows = []
             t0 = time.perf_counter()
             for name in args.policies:
@@ -184,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             "workload": args.workload, "requests": len(requests), "prompt_blocks": total,
             "distinct_blocks": distinct, "service": dataclasses.asdict(service),
             "policy_options": policy_opts, "transfer": dataclasses.asdict(transfer),
-            "pull_holder": args.pull_holder, "settings": settings,
+            "pull_holder": args.pull_holder, "router": dataclasses.asdict(router), "settings": settings,
         }
         args.json.write_text(json.dumps(payload, indent=2))
     return 0

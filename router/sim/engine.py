@@ -1,8 +1,9 @@
 """Discrete-event replay of a request stream through simulated replicas and a policy.
 
 Events: arrivals (from the sorted trace), prefill completions and request completions (from a
-heap). At each arrival the router sees what the production router sees: the prefix index's
-leading-block match per replica and each replica's load, taken at that instant.
+heap). Each arrival is routed by the live router's decision path (`SimRouter`: the Decider,
+the in-flight and session memories, `sampled_replicas`, the policy's commit) over an index and
+a load table that read the simulated replicas at that instant (router/sim/sim_router.py).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from router.memory_index import InMemoryIndex
-from router.policy import Policy, RouteRequest
+from router.policy import Policy
 from router.sim.metrics import PolicyResult, percentile, window_imbalance
 from router.sim.replica import Job, SimReplica
+from router.sim.router_config import SimRouterConfig
 from router.sim.service import ServiceModel
+from router.sim.sim_router import SimClock, SimRouter
 from router.sim.workload import SimRequest
 from router.transfer_model import TransferModel
 
@@ -35,6 +38,7 @@ class SimConfig:
     window_s: float = 60.0  # imbalance window, in simulated (scaled) seconds
     transfer: TransferModel = field(default_factory=TransferModel)  # K/V pulls between replicas
     pull_holder: str = "keep"  # what a pull does to the holder's LRU: keep | touch | demote (SimReplica)
+    router: SimRouterConfig = field(default_factory=SimRouterConfig)  # the live router's options
 
 
 def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) -> PolicyResult:
@@ -46,12 +50,12 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
     ]
     by_id = {r.replica_id: r for r in reps}
     pos = {r.replica_id: i for i, r in enumerate(reps)}
-    ids = [r.replica_id for r in reps]
+    clock = SimClock()
+    router = SimRouter(policy, by_id, index, config.router, clock)
     span = (requests[-1].arrival / config.time_scale) if requests else 0.0
     # whole windows only: a trailing partial window holds fewer requests and reads noisier
     nwin = max(int(span // config.window_s), 1)
     work = [[0.0] * config.replicas for _ in range(nwin)]
-    sessions: dict[str, str] = {}
     reasons: Counter[str] = Counter()
     heap: list[tuple[float, int, int, SimReplica, Job | None]] = []
     seq = itertools.count()
@@ -89,16 +93,13 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
         if not reps[0].fits(req):
             rejected += 1
             continue
-        matched = index.match(req.hashes, ids)
-        views = [r.view(now, matched[r.replica_id]) for r in reps]
-        route = RouteRequest(req.hashes, req.input_tokens, bs, req.session_id)
-        home = sessions.get(req.session_id) if req.session_id is not None else None
-        decision = policy.choose(route, views, home)
+        clock.now = now
+        routed = router.decide(router.route_request(req.hashes, req.input_tokens, bs, req.session_id))
+        decision = routed.decision
         reasons[decision.reason] += 1
-        rep = by_id[decision.replica_id]
-        if req.session_id is not None:
-            sessions[req.session_id] = rep.replica_id
-        local = matched[rep.replica_id]
+        rep = by_id[decision.replica_id]  # its queue is unbounded: the first choice always takes it
+        router.routed(routed, rep.replica_id)
+        local = index.match(req.hashes, [rep.replica_id])[rep.replica_id]  # what it really holds
         job = Job(req, now, 0, int(now // config.window_s))
         if decision.pull_from is not None and decision.pull_blocks > local:
             job.pull_from, job.pull_depth = by_id[decision.pull_from], decision.pull_blocks

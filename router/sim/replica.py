@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from replica.block_manager import BlockManager, BlockTable
 from router.memory_index import InMemoryIndex
 from router.policy import ReplicaView
+from router.protocol.redis_schema import LOAD_FIELDS, Heartbeat
 from router.sim.service import ServiceModel
 from router.sim.workload import SimRequest
 from router.transfer_model import TransferModel
@@ -104,6 +105,20 @@ class SimReplica:
             cached_blocks=bm.num_cached,
             capacity_blocks=bm.num_blocks,
         )
+
+    def heartbeat(self, now: float) -> dict[str, int]:
+        """Its load as a live replica's heartbeat reports it (the LOAD_FIELDS a router reads);
+        kv_pull 1: simulated replicas import and export K/V. Rates stay 0 (unmeasured): the
+        pull policy is given the simulator's transfer model directly."""
+        v = self.view(now, 0)
+        hb = Heartbeat(running=v.running, waiting=v.waiting, pending_prefill_tokens=v.pending_prefill_tokens,
+                       free_blocks=v.free_blocks, cached_blocks=v.cached_blocks,
+                       capacity_blocks=v.capacity_blocks, kv_pull=1)
+        return {f: getattr(hb, f) for f in LOAD_FIELDS}
+
+    def queue_len(self) -> int:
+        """Requests sent here and not finished: what the live router's own count would say."""
+        return self.decoding + (self.current is not None) + len(self.queue)
 
     def enqueue(self, job: Job) -> None:
         self.queue.append(job)

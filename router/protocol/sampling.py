@@ -1,23 +1,36 @@
-"""Per-request generation settings, validated at submission."""
+"""Per-request generation settings: part of the gateway -> replica contract.
+
+One typed struct, built and validated by the gateway (a bad value is a 400 naming the field
+before anything reaches a replica) and checked again where the request enters the replica
+(router/protocol/messages.py `checked_request`). The engines read it as is.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs and vLLM's default cap
 
 
-@dataclass
-class SamplingParams:
+class InvalidParam(ValueError):
+    """A sampling field out of its range; `param` names it (the 400's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
     max_tokens: int = 64
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0  # vLLM's: no end-of-sequence, stop token or stop string before this many tokens
     # OpenAI semantics, over the generated tokens only: logit -= f * count + p * (count > 0)
@@ -40,41 +53,41 @@ class SamplingParams:
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidParam("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (0.0 <= float(self.temperature) <= 100.0):
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise InvalidParam("temperature", f"temperature must be in [0, 100], got {self.temperature!r}")
         if not (0.0 < float(self.top_p) <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+            raise InvalidParam("top_k", f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise InvalidParam("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be at most 16 non-empty strings")
+            raise InvalidParam("stop", "stop must be at most 16 non-empty strings")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+            raise InvalidParam("min_tokens", f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+            raise InvalidParam("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+            raise InvalidParam("stop_token_ids", "stop_token_ids must be non-negative integers")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _real(value) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+                raise InvalidParam(name, f"{name} must be a number in [-2, 2], got {value!r}")
         if not _real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+            raise InvalidParam("repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise InvalidParam("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         rf = self.response_format
         if rf is not None:
             kind = rf.get("type") if isinstance(rf, dict) else None
             if kind not in ("text", "json_object", "json_schema"):
-                raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema'")
+                raise InvalidParam("response_format", "response_format.type must be 'text', 'json_object' or 'json_schema'")
             if kind == "json_schema" and not isinstance(rf.get("schema"), (dict, bool)):
-                raise ValueError("response_format json_schema needs a schema object")
+                raise InvalidParam("response_format", "response_format json_schema needs a schema object")
 
     @property
     def greedy(self) -> bool:

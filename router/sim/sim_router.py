@@ -1,0 +1,80 @@
+"""The live router's decision path, run in simulated time.
+
+`SimRouter` does per request what `PrefixGateRouter` (router/ray_router.py) does in `_decide`
+and `on_request_routed`: hash the prompt's leading `publish_depth` blocks, look them up in the
+index (the session's replica with them), score through the live `Decider` (matched, session,
+in-flight and `sampled_replicas` sampled replicas; `degraded` when the lookup fails), then
+remember where the request went, commit it to the policy, mark its fresh blocks in flight and
+renew the session key. Only Redis is replaced: by `SimIndex` over the simulator's exact block
+index and by `SimLoadTable` over its replicas, both on the simulator's clock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+
+from router.decider import Decider, InflightPrefixes, Routed, SessionMemory
+from router.memory_index import InMemoryIndex
+from router.policy import Policy, RouteRequest
+from router.sim.index import SimIndex
+from router.sim.loads import SimLoadTable
+from router.sim.replica import SimReplica
+from router.sim.router_config import SimRouterConfig
+
+
+class SimClock:
+    """Simulated seconds; the engine moves it, the router's memories and TTLs read it."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimRouter:
+    def __init__(self, policy: Policy, replicas: Mapping[str, SimReplica], blocks: InMemoryIndex,
+                 config: SimRouterConfig, clock: SimClock) -> None:
+        self.policy = policy
+        self.config = config
+        self.clock = clock
+        self.replicas = replicas
+        self.ids = list(replicas)  # the candidates, in a fixed order (Ray's list, live)
+        self.index = SimIndex(blocks, clock, sample=config.lookup_sample, keep=config.lookup_keep,
+                              session_ttl_s=config.session_ttl_s, seed=config.seed)
+        self.loads = SimLoadTable(replicas, clock, config.load_refresh_s if config.stale_loads else None,
+                                  seed=config.seed)
+        self.inflight = InflightPrefixes(config.inflight_ttl_s, keep_s=config.stale_memory_s, clock=clock)
+        self.decider = Decider(policy, self.loads, self.inflight, config.sampled_replicas,
+                               SessionMemory(config.session_ttl_s, clock=clock))
+        self._down = random.Random(f"{config.seed}:index-down")
+        self.degraded = 0  # decisions that took the degraded path
+
+    def queue_len(self, replica_id: str) -> int:
+        return self.replicas[replica_id].queue_len()
+
+    def route_request(self, hashes: list[int], prompt_tokens: int, block_size: int,
+                      session_id: str | None) -> RouteRequest:
+        """The live router's RouteRequest: only the leading `publish_depth` blocks are hashed."""
+        return RouteRequest(hashes[: self.config.publish_depth], prompt_tokens, block_size, session_id)
+
+    def decide(self, route: RouteRequest) -> Routed:
+        """`PrefixGateRouter._decide` with an index that answers (or, with `index_down`, fails)."""
+        self.loads.sync()
+        if self.config.index_down and self._down.random() < self.config.index_down:
+            self.degraded += 1
+            return self.decider.degraded(route, self.ids, self.queue_len)
+        look = self.index.lookup(route.block_hashes, route.session_id)
+        return self.decider.score(route, self.ids, look, self.queue_len)
+
+    def routed(self, routed: Routed, replica_id: str) -> None:
+        """`PrefixGateRouter.on_request_routed`: the request went to `replica_id`."""
+        self.decider.remember(routed, replica_id)
+        self.policy.commit(routed.route, replica_id, routed.matched.get(replica_id, 0), routed.fleet_size)
+        known = max(routed.matched.values(), default=0)
+        fresh = routed.route.block_hashes[known:]
+        if fresh:
+            self.index.mark_inflight(fresh, replica_id, self.config.inflight_ttl_s)
+        if routed.route.session_id:
+            self.index.remember_session(routed.route.session_id, replica_id)

@@ -1,0 +1,111 @@
+"""Configuration defined once: AppConfig's fields are the serve flags and the Serve config's
+args, each with one default, and every router option can be set from a config file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+
+import pytest
+
+from gateway.app import router_config
+from gateway.cli import config_from_args, main
+from gateway.config import AppConfig
+from replica.engine_types import EngineConfig
+from replica.replica_settings import ReplicaSettings
+from router.router_options import RouterOptions
+
+
+def _parse(*argv: str):
+    import argparse
+
+    from gateway.cli import _serve_args
+
+    p = argparse.ArgumentParser()
+    _serve_args(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def test_every_setting_is_a_flag_and_a_flag_sets_it(tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"k1": "tenant-1"}))
+    config = _parse("--sampled-replicas", "7", "--policy", "power-of-two", "--policy-options", "miss_weight=8",
+                    "--sim-service", "decode_step_s=0.02", "--sim-service", '{"prefill_s_per_token": 0.001}',
+                    "--replica-resources", '{"replica_node": 1}', "--max-model-len", "none", "--api-keys", str(keys),
+                    "--stall-timeout-s", "12.5", "--index-buckets", "8", "--replica-threads", "3")
+    assert config.sampled_replicas == 7 and config.policy == "pow2"  # an alias, stored canonical
+    assert config.policy_options == {"miss_weight": 8}
+    assert config.sim_service == {"decode_step_s": 0.02, "prefill_s_per_token": 0.001}
+    assert config.replica_resources == {"replica_node": 1} and config.max_model_len is None
+    assert config.api_keys == {"k1": "tenant-1"} and config.stall_timeout_s == 12.5
+    assert config.index_buckets == 8 and config.torch_threads == 3
+    # flags not given leave the defaults (one default: the dataclass's)
+    default = AppConfig()
+    untouched = {"kv_cache_mb", "max_num_seqs", "publish_depth", "retry_attempts", "gateways", "engine"}
+    assert all(getattr(config, n) == getattr(default, n) for n in untouched)
+    # and every field has a flag (the Redis URL its own: --redis-url, else $REDIS_URL, else auto)
+    import argparse
+
+    from gateway.cli import _serve_args
+
+    p = argparse.ArgumentParser()
+    _serve_args(p)
+    dests = {a.dest for a in p._actions}
+    assert {f.name for f in fields(AppConfig)} <= dests
+
+
+def test_bad_settings_are_refused_with_the_setting_named(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--engine", "torch"])
+    assert e.value.code == 2 and "--engine" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--policy-options", "no-equals-sign"])
+    assert "KEY=VALUE" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="sampled_replicas"):
+        AppConfig(sampled_replicas=-1)
+    with pytest.raises(ValueError, match="unknown settings"):
+        AppConfig.from_dict({"sampled_replica": 3})
+
+
+def test_one_default_per_setting():
+    """The served defaults are the engine's and the router's own, not copies that drift."""
+    app, engine, router = AppConfig(), EngineConfig(), RouterOptions()
+    assert app.max_num_seqs == engine.max_num_seqs
+    assert app.max_num_batched_tokens == engine.max_num_batched_tokens
+    assert app.kv_cache_mb * 2**20 == engine.kv_cache_bytes and app.block_size == engine.block_size
+    for f in fields(RouterOptions):
+        if f.name not in ("model_id", "block_size", "redis_url"):  # the app's own choices
+            assert getattr(app, f.name) == getattr(router, f.name), f.name
+    assert ReplicaSettings().key_prefix == app.key_prefix and ReplicaSettings().index_buckets == app.index_buckets
+    assert ReplicaSettings().publish_depth == app.publish_depth
+
+
+def test_every_router_option_reaches_the_router_from_a_config_file():
+    """Each RouterOptions field set away from its default in a Serve config's args arrives in
+    the RequestRouterConfig Serve builds our router from; the bucket count reaches the replicas."""
+    changed = {"policy": "affinity-pull", "policy_options": {"miss_weight": 9.0}, "publish_depth": 32,
+               "key_prefix": "cfg", "redis_timeout_s": 0.2, "session_ttl_s": 60, "seed": 5,
+               "sampled_replicas": 2, "index_buckets": 4, "load_refresh_s": 0.5, "block_size": 32,
+               "redis_url": "redis://127.0.0.1:1/0"}
+    assert set(changed) | {"model_id"} == {f.name for f in fields(RouterOptions)}
+    config = AppConfig.from_dict(changed)
+    kwargs = router_config(config, "my-model").request_router_kwargs
+    assert kwargs == {**changed, "model_id": "my-model"}
+    RouterOptions(**kwargs)  # what PrefixGateRouter.initialize_state builds
+
+    from gateway.app import build_app
+
+    app = build_app(AppConfig.from_dict({**changed, "engine": "sim"}))
+    replica = next(d for d in _deployments(app) if d.name == "PrefixCacheReplica")
+    settings = ReplicaSettings.from_dict(replica.init_args[0])
+    assert settings.index_buckets == 4 and settings.key_prefix == "cfg" and settings.publish_depth == 32
+
+
+def _deployments(app):
+    """Every deployment of a built (not running) Serve application."""
+    seen, todo = [], [app]
+    while todo:
+        d = todo.pop()._bound_deployment
+        seen.append(d)
+        todo += [a for a in (*d.init_args, *d.init_kwargs.values()) if hasattr(a, "_bound_deployment")]
+    return seen
