@@ -15,6 +15,7 @@ from typing import Any
 
 from replica.engine_protocol import ENGINE_NAMES
 from replica.engine_types import KV_CACHE_MB, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from router.protocol.messages import KEEPALIVE_S
 from router.registry import aliases as policy_aliases
 from router.registry import help_text as policy_help
 from router.registry import policy_names
@@ -24,11 +25,13 @@ _ROUTER = RouterOptions()  # the router's defaults, defined in router/router_opt
 
 
 def setting(default: Any = MISSING, *, help: str, factory: Any = None, flag: str | None = None,
-            cli: str = "auto", choices: tuple[str, ...] | None = None) -> Any:
+            cli: str = "auto", choices: tuple[str, ...] | None = None, raw_keys: bool = False) -> Any:
     """A field with its help text. `flag`: its `prefixgate serve` flag when not `--field-name`;
     `cli`: "auto" (a flag), "json-file" (the flag names a JSON file holding the value) or "none";
-    `choices`: the values the flag accepts (checked when the command line is parsed)."""
-    metadata = {"help": help, "flag": flag, "cli": cli, "choices": choices}
+    `choices`: the values the flag accepts (checked when the command line is parsed); `raw_keys`:
+    a dict whose KEY=VALUE keys are taken as written (Ray resource names), not as field names
+    (where `decode-step-s` means `decode_step_s`)."""
+    metadata = {"help": help, "flag": flag, "cli": cli, "choices": choices, "raw_keys": raw_keys}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -48,7 +51,7 @@ class AppConfig:
     torch_threads: int = setting(1, flag="--replica-threads", help="compute threads per replica (torch's, or vLLM's OMP threads)")
     replica_num_cpus: float = setting(0.5, flag="--replica-cpus", help="Ray CPUs reserved per replica")
     replica_num_gpus: float = setting(0.0, flag="--replica-gpus", help="Ray GPUs reserved per replica")
-    replica_resources: dict[str, float] = setting(factory=dict, help='custom Ray resources per replica, e.g. {"replica_node": 0.01}')
+    replica_resources: dict[str, float] = setting(factory=dict, raw_keys=True, help='custom Ray resources per replica, e.g. {"replica_node": 0.01}')
     # the engine
     block_size: int | None = setting(None, help="tokens per K/V block (default: 16; 32 on engine vllm, whose CPU backend needs a multiple of 32)")
     num_blocks: int | None = setting(None, help="K/V blocks per replica (default: from kv_cache_mb)")
@@ -80,7 +83,7 @@ class AppConfig:
     # the gateway
     gateways: int = setting(1, help="ingress replicas, each with its own router (they share only Redis)")
     gateway_num_cpus: float = setting(0.25, help="Ray CPUs reserved per gateway")
-    gateway_resources: dict[str, float] = setting(factory=dict, help='custom Ray resources per gateway, e.g. {"head_node": 0.01}')
+    gateway_resources: dict[str, float] = setting(factory=dict, raw_keys=True, help='custom Ray resources per gateway, e.g. {"head_node": 0.01}')
     max_ongoing_requests: int = setting(32, help="per replica, in flight at once (Ray Serve's bound)")
     max_queued_requests: int = setting(64, help="beyond replicas x max_ongoing_requests: 429 with Retry-After")
     default_max_tokens: int = setting(256, help="max_tokens of a request that gives none")
@@ -119,8 +122,18 @@ class AppConfig:
             from replica.vllm_settings import VLLM_BLOCK_MULTIPLE
 
             self.block_size = VLLM_BLOCK_MULTIPLE if self.engine == "vllm" else 16
-        if self.stall_timeout_s < 0:
-            raise ValueError(f"stall_timeout_s must be >= 0 (0 turns the stall guard off), got {self.stall_timeout_s}")
+        # a replica is silent between keepalives (KEEPALIVE_S) and while it pulls K/V for a
+        # request (up to kv_pull_timeout_s): a shorter guard would move healthy requests
+        least = max(2 * KEEPALIVE_S, self.kv_pull_timeout_s + KEEPALIVE_S)
+        if self.stall_timeout_s != 0 and self.stall_timeout_s <= least:
+            raise ValueError(f"stall_timeout_s must be 0 (off) or above {least:g} s (2 keepalives, and a K/V pull's "
+                             f"kv_pull_timeout_s plus one), got {self.stall_timeout_s}")
+        if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in self.api_keys.items()):
+            raise ValueError("api_keys must map non-empty API key strings to tenant name strings")
+        for name in ("sim_service", "sim_transfer", "replica_resources", "gateway_resources"):
+            bad = {k: v for k, v in getattr(self, name).items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+            if bad:
+                raise ValueError(f"{name} takes numbers, got {bad}")
         self.router_options(self.model_name or "check")  # the router's own rules, checked at load
 
     def router_options(self, model_id: str) -> RouterOptions:

@@ -58,9 +58,9 @@ def _dict_item(text: str) -> dict:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE or a JSON object, got {text!r}")
     try:
-        return {key.replace("-", "_"): json.loads(raw)}
+        return {key: json.loads(raw)}
     except json.JSONDecodeError:
-        return {key.replace("-", "_"): raw}
+        return {key: raw}
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -99,6 +99,8 @@ def config_values(args: argparse.Namespace) -> dict[str, Any]:
             merged: dict = {}
             for item in value:
                 merged.update(item)
+            if not f.metadata.get("raw_keys"):  # field names: decode-step-s means decode_step_s
+                merged = {k.replace("-", "_"): v for k, v in merged.items()}
             value = merged
         out[f.name] = value
     return out

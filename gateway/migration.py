@@ -170,14 +170,17 @@ async def _guarded(stream: AsyncIterator[bytes], stall_timeout_s: float) -> Asyn
     speaking another protocol version would fail the same way on every retry."""
     started = False
     while True:
+        # asyncio.timeout, not wait_for: no task per chunk, and a cancelled caller is cancelled
+        # at once (wait_for may return a read that finished as it was cancelled)
+        guard = asyncio.timeout(stall_timeout_s if started and stall_timeout_s > 0 else None)
         try:
-            if started and stall_timeout_s > 0:
-                raw = await asyncio.wait_for(anext(stream), stall_timeout_s)
-            else:
+            async with guard:
                 raw = await anext(stream)
         except StopAsyncIteration:
             return
         except TimeoutError:
+            if not guard.expired():  # the stream's own TimeoutError (e.g. Ray's GetTimeoutError)
+                raise
             raise ReplicaStalled(f"no output or keepalive for {stall_timeout_s:g} s") from None
         try:
             chunk = decode_chunk(raw)

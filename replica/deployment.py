@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import sys
@@ -86,8 +87,9 @@ class PrefixCacheReplica:
     async def generate(self, request: object, route: RouteDecision | None = None) -> AsyncIterator[bytes]:
         """The request's chunks, msgpack-encoded (the gateway decodes them with their types).
         `route` is our router's decision, passed beside the request (absent under Ray's routers)."""
-        async for chunk in request_chunks(self, request, route):
-            yield encode_chunk(chunk)
+        async with contextlib.aclosing(request_chunks(self, request, route)) as chunks:
+            async for chunk in chunks:  # closed at once when Serve stops us: the engine aborts the request
+                yield encode_chunk(chunk)
 
     async def info(self) -> dict:
         """Model facts the gateway needs, and live stats for /health and /metrics."""

@@ -8,6 +8,7 @@ gateway's stall guard can tell slow from frozen.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -48,17 +49,18 @@ async def request_chunks(replica: PrefixCacheReplica, request: Any, route: Route
             request.prompt_token_ids, request.params, request_id=request.request_id,
             cache_salt=request.cache_salt, **await _engine_extras(replica, request, route),
         )
-        async for out in with_keepalive(stream, KEEPALIVE_S):
-            if out is None:  # nothing new for a while: tell the gateway's stall guard we are here
-                yield AliveChunk()
-                continue
-            rec.output(out)
-            if out.new_token_ids or out.new_text:
-                yield DeltaChunk(out.new_token_ids, out.new_text, getattr(out, "logprobs", None) or None)
-            if out.finished:
-                if replica.kv_pull is not None:
-                    replica.kv_pull.observe(out)
-                yield EndChunk(out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids))
+        async with contextlib.aclosing(with_keepalive(stream, KEEPALIVE_S)) as outputs:
+            async for out in outputs:
+                if out is None:  # nothing new for a while: tell the gateway's stall guard we are here
+                    yield AliveChunk()
+                    continue
+                rec.output(out)
+                if out.new_token_ids or out.new_text:
+                    yield DeltaChunk(out.new_token_ids, out.new_text, getattr(out, "logprobs", None) or None)
+                if out.finished:
+                    if replica.kv_pull is not None:
+                        replica.kv_pull.observe(out)
+                    yield EndChunk(out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids))
     except (InvalidRequestError, TypeError, ValueError) as e:
         rec.done = True  # refused, never ran: not a finished request
         yield ErrorChunk(400, str(e))

@@ -40,8 +40,8 @@ class RouterOptions:
             self.policy_options = {}
         if self.publish_depth < 1 or self.sampled_replicas < 0 or self.index_buckets < 1:
             raise ValueError("publish_depth and index_buckets must be >= 1, sampled_replicas >= 0")
-        if self.load_refresh_s <= 0 or self.redis_timeout_s <= 0:
-            raise ValueError("load_refresh_s and redis_timeout_s must be positive")
+        if self.load_refresh_s <= 0 or self.redis_timeout_s < 0:
+            raise ValueError("load_refresh_s must be positive and redis_timeout_s >= 0 (0: every lookup times out)")
 
     def to_kwargs(self) -> dict:
         """As Serve's RequestRouterConfig passes them to `PrefixGateRouter.initialize_state`."""

@@ -31,12 +31,14 @@ def test_every_setting_is_a_flag_and_a_flag_sets_it(tmp_path):
     keys.write_text(json.dumps({"k1": "tenant-1"}))
     config = _parse("--sampled-replicas", "7", "--policy", "power-of-two", "--policy-options", "miss_weight=8",
                     "--sim-service", "decode_step_s=0.02", "--sim-service", '{"prefill_s_per_token": 0.001}',
-                    "--replica-resources", '{"replica_node": 1}', "--max-model-len", "none", "--api-keys", str(keys),
+                    "--replica-resources", '{"replica_node": 1}', "--replica-resources", "my-res=2",
+                    "--sim-service", "decode-step-ms-unused=1", "--max-model-len", "none", "--api-keys", str(keys),
                     "--stall-timeout-s", "12.5", "--index-buckets", "8", "--replica-threads", "3")
     assert config.sampled_replicas == 7 and config.policy == "pow2"  # an alias, stored canonical
     assert config.policy_options == {"miss_weight": 8}
-    assert config.sim_service == {"decode_step_s": 0.02, "prefill_s_per_token": 0.001}
-    assert config.replica_resources == {"replica_node": 1} and config.max_model_len is None
+    assert config.sim_service == {"decode_step_s": 0.02, "prefill_s_per_token": 0.001, "decode_step_ms_unused": 1}
+    # field-name keys take dashes for underscores; Ray resource names stay as written
+    assert config.replica_resources == {"replica_node": 1, "my-res": 2} and config.max_model_len is None
     assert config.api_keys == {"k1": "tenant-1"} and config.stall_timeout_s == 12.5
     assert config.index_buckets == 8 and config.torch_threads == 3
     # flags not given leave the defaults (one default: the dataclass's)
@@ -65,6 +67,13 @@ def test_bad_settings_are_refused_with_the_setting_named(capsys):
         AppConfig(sampled_replicas=-1)
     with pytest.raises(ValueError, match="unknown settings"):
         AppConfig.from_dict({"sampled_replica": 3})
+    with pytest.raises(ValueError, match="stall_timeout_s"):  # below a K/V pull's timeout + a keepalive
+        AppConfig(stall_timeout_s=6)
+    AppConfig(stall_timeout_s=0)  # off
+    with pytest.raises(ValueError, match="sim_service takes numbers"):
+        AppConfig(sim_service={"decode_step_s": "fast"})
+    with pytest.raises(ValueError, match="api_keys"):
+        AppConfig(api_keys={"k": 3})
 
 
 def test_one_default_per_setting():

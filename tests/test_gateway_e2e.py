@@ -146,6 +146,16 @@ def test_bad_input_gets_openai_error(stack, name, payload, status):
     assert error["message"] and error["type"]
 
 
+def test_sampling_rules_are_checked_at_the_gateway_with_the_field_named(stack):
+    """A value the request schema lets through but the engines' SamplingParams refuses (here
+    min_tokens above max_tokens) is a 400 naming the field, answered before any replica runs it."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 9}
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "min_tokens" and "min_tokens" in error["message"] and error["type"] == "invalid_request_error"
+
+
 def test_oversized_body_is_refused(stack):
     r = httpx.post(f"{stack.url}/v1/chat/completions", content=b"x" * (5 * 2**20), headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"

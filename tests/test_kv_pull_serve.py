@@ -157,7 +157,7 @@ def test_pull_metrics_reach_the_ray_scrape(stack, caller):
     a, b = _pair(stack)
     prompt = _prompt(20 * BLOCK + 5)  # one pull of its own (the suite may run in any order)
     _generate(caller, a, _request(prompt))
-    assert _generate(caller, b, _request(prompt, KvSource(a, 20)))[1]["cached_tokens"] == 20 * BLOCK
+    assert _generate(caller, b, _request(prompt, KvSource(a, 20)))[1].cached_tokens == 20 * BLOCK
     ok = sum(_stats(caller, rid)["ok"] for rid in (a, b))
     assert ok >= 1
 

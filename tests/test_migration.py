@@ -273,3 +273,32 @@ def test_keepalive_marks_silence_and_closes_its_source():
     two = out.index(2)
     assert out[0] == 1 and out[two + 1:] == [None] and out.count(None) >= 3 and set(out[1:two]) == {None}
     assert closed.is_set()  # leaving early cancelled the pending read and closed the source
+
+
+def test_a_cancelled_reader_leaves_a_stream_that_closes_cleanly():
+    """The gateway cancels a choice's reader (client gone, n > 1) and then closes its stream:
+    the cancellation lands at once and closing raises nothing (no "already running")."""
+    reading = asyncio.Event()
+
+    async def call(req):
+        yield encode_chunk(START)
+        yield encode_chunk(_delta([1], "a"))
+        reading.set()
+        await asyncio.Event().wait()  # a replica still working, nothing to send yet
+
+    async def go():
+        stream = ResilientStream(call, _request([1], max_tokens=9), MigrationPolicy(backoff_s=0.0, stall_timeout_s=30),
+                                 (ReplicaDied,)).__aiter__()
+
+        async def read():
+            return [c async for c in stream]
+
+        task = asyncio.create_task(read())
+        await reading.wait()
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()  # raises if the generator chain were still running
+
+    asyncio.run(asyncio.wait_for(go(), 30))

@@ -57,10 +57,8 @@ def parse_overrides(items: list[str]) -> dict[str, float]:
 
 
 def options_for(policy: str, options: dict[str, float]) -> dict[str, float]:
-    """The --policy-opt options a policy takes: affinity's to both affinity policies, the pull
-    policy's own (copy_weight) to it alone; other policies take none."""
-    if not policy.startswith("affinity"):
-        return {}
+    """The --policy-opt options a policy's class takes (read from its signature): affinity's
+    reach both affinity policies, the pull policy's own (copy_weight) it alone."""
     accepted = inspect.signature(POLICIES[policy].__init__).parameters
     if "affinity_options" in accepted:  # passes the rest on to AffinityPolicy
         accepted = {**accepted, **inspect.signature(AffinityPolicy.__init__).parameters}
@@ -68,7 +66,7 @@ def options_for(policy: str, options: dict[str, float]) -> dict[str, float]:
 
 
 def check_options(options: dict[str, float]) -> None:
-    known = {p for name in ("affinity", "affinity-pull") for p in inspect.signature(POLICIES[name].__init__).parameters}
+    known = {p for cls in POLICIES.values() for p in inspect.signature(cls.__init__).parameters}
     unknown = sorted(set(options) - known - {"self", "seed", "transfer", "affinity_options"})
     if unknown:
         raise ValueError(f"unknown --policy-opt {', '.join(unknown)}")
