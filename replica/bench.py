@@ -1,6 +1,7 @@
 """Engine benchmark: what the prefix cache saves, and throughput against transformers.
 
     prefixgate bench engine [--requests 16] [--new-tokens 64] [--skip-baselines] [--json out.json]
+    prefixgate bench engine --against vllm [--dtype float32|bfloat16] [--rounds 3]
     python -m replica.bench ...
 
 Scenario 1 (prefix cache): a 100-token system prompt followed by 10 questions (190 tokens), sent
@@ -476,6 +477,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="scenario 2: rounds of ours and generate_batch, interleaved; report medians")
     p.add_argument("--cpu-limit", type=float, default=400.0,
                    help="output tok/s this CPU allows at most (ENVIRONMENT.md), for the share printed")
+    p.add_argument("--against", choices=["vllm"], default=None,
+                   help="also run vLLM's CPU engine (its venv .venv-vllm) on the same prompts, rounds interleaved "
+                        "(replica/bench_vllm.py)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="our engine's dtype, and vLLM's with --against (default: float32 on CPU)")
+    p.add_argument("--vllm-python", default=None, help="--against vllm: its interpreter (default .venv-vllm/bin/python)")
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="--against vllm: enforce_eager (no torch.compile: start-up in seconds, not ~70 s; slower steps)")
+    p.add_argument("--vllm-block-size", type=int, default=32, help="--against vllm: its block size (multiple of 32)")
     p.add_argument("--decode-memory", action="store_true",
                    help="only measure decode-step peak memory: short rows next to a long one (replica/bench_memory.py)")
     p.add_argument("--short-len", type=int, default=32, help="--decode-memory: short context length")
@@ -504,8 +514,16 @@ def _run(args: argparse.Namespace) -> int:
         if args.json:
             args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
         return 0
+    vllm_python = None
+    if args.against == "vllm":
+        from replica import bench_vllm
+
+        vllm_python = bench_vllm.interpreter(args.vllm_python)
+        if vllm_python is None:
+            print(bench_vllm.missing_message(args.vllm_python), file=sys.stderr, flush=True)
+            return bench_vllm.MISSING_EXIT
     t0 = time.perf_counter()
-    engine = LLMEngine(model=args.model)
+    engine = LLMEngine(model=args.model, dtype=args.dtype)
     say(f"model {engine.model_path.name} loaded in {time.perf_counter() - t0:.1f} s; "
           f"torch {torch.__version__}, {args.threads} threads, block size {engine.config.block_size}")
     warm_up(engine)
@@ -513,8 +531,15 @@ def _run(args: argparse.Namespace) -> int:
     print_seed(seed, engine.config.block_size)
     tp = scenario_throughput(engine, args)
     print_throughput(tp, args)
+    figures = to_json(seed, tp, args, engine)
+    if vllm_python is not None:
+        from replica import bench_vllm
+
+        versus = bench_vllm.compare(engine, args, vllm_python, say)
+        bench_vllm.report(versus, say)
+        figures["against_vllm"] = bench_vllm.to_json(versus)
     if args.json:
-        args.json.write_text(json.dumps(to_json(seed, tp, args, engine), indent=2) + "\n")
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0 if seed.outputs_equal and not tp.mismatched_ids else 1
 
 

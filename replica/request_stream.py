@@ -9,7 +9,7 @@ gateway's stall guard can tell slow from frozen.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -45,9 +45,17 @@ async def request_chunks(replica: PrefixCacheReplica, request: Any, route: Route
             request = checked_request(request)
         except (msgspec.ValidationError, TypeError) as e:
             raise InvalidRequestError(f"malformed request: {e}") from e
+        extras: dict = {}
+        # a pull hint can take up to kv_pull_timeout_s: keepalives go out meanwhile too
+        async with contextlib.aclosing(with_keepalive(_once(_engine_extras(replica, request, route)), KEEPALIVE_S)) as prep:
+            async for got in prep:
+                if got is None:
+                    yield AliveChunk()
+                else:
+                    extras = got
         stream = replica.backend.generate(
             request.prompt_token_ids, request.params, request_id=request.request_id,
-            cache_salt=request.cache_salt, **await _engine_extras(replica, request, route),
+            cache_salt=request.cache_salt, **extras,
         )
         async with contextlib.aclosing(with_keepalive(stream, KEEPALIVE_S)) as outputs:
             async for out in outputs:
@@ -68,6 +76,10 @@ async def request_chunks(replica: PrefixCacheReplica, request: Any, route: Route
         yield ErrorChunk(503, str(e), retry=True)
     finally:
         rec.close()  # ended without finishing (client gone, engine failed): counted as abort
+
+
+async def _once(awaitable: Awaitable[dict]) -> AsyncIterator[dict]:
+    yield await awaitable
 
 
 async def _engine_extras(replica: PrefixCacheReplica, request: GenerateRequest, route: RouteDecision | None) -> dict:

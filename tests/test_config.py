@@ -67,8 +67,9 @@ def test_bad_settings_are_refused_with_the_setting_named(capsys):
         AppConfig(sampled_replicas=-1)
     with pytest.raises(ValueError, match="unknown settings"):
         AppConfig.from_dict({"sampled_replica": 3})
-    with pytest.raises(ValueError, match="stall_timeout_s"):  # below a K/V pull's timeout + a keepalive
-        AppConfig(stall_timeout_s=6)
+    with pytest.raises(ValueError, match="stall_timeout_s"):  # within two keepalives
+        AppConfig(stall_timeout_s=3)
+    AppConfig(stall_timeout_s=30, kv_pull_timeout_s=120)  # pulls send keepalives too
     AppConfig(stall_timeout_s=0)  # off
     with pytest.raises(ValueError, match="sim_service takes numbers"):
         AppConfig(sim_service={"decode_step_s": "fast"})
