@@ -34,9 +34,10 @@ def _heartbeats(config) -> dict[str, dict]:
     return out
 
 
-async def _stream(client, url, body, headers=None) -> dict:
+async def _stream(client, url, body, headers=None, on_line=None) -> dict:
     """One streaming request, parsed: status, replica header, text, finish reasons, usage,
-    error chunks, and where the [DONE] lines were."""
+    error chunks, and where the [DONE] lines were. `on_line(out)` runs after each line (a
+    fault injected mid-stream)."""
     out = {"status": None, "replica": None, "text": "", "finish": [], "usage": None, "errors": [], "done_at": [],
            "lines": 0}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers or {}) as r:
@@ -54,6 +55,8 @@ async def _stream(client, url, body, headers=None) -> dict:
                 out["done_at"].append(out["lines"])
             elif line.startswith("data: "):
                 _take(out, json.loads(line[6:]))
+            if on_line is not None:
+                on_line(out)
     return out
 
 
@@ -203,26 +206,19 @@ def test_frozen_replica_mid_stream_is_left_behind(stack):
         async with httpx.AsyncClient(timeout=180) as client:
             reference = await _stream(client, stack.url, body)
             _assert_well_formed(reference)
-            out = {"status": None, "replica": None, "text": "", "finish": [], "usage": None, "errors": [],
-                   "done_at": [], "lines": 0}
-            pid = None
+            frozen: list[int] = []
+
+            def freeze(out: dict) -> None:
+                if not frozen and out["lines"] >= 4:
+                    frozen.append(int(_heartbeats(stack.config)[out["replica"]]["pid"]))
+                    os.kill(frozen[0], signal.SIGSTOP)  # frozen mid-stream, 92 tokens to go
+
             try:
-                async with client.stream("POST", f"{stack.url}/v1/chat/completions", json=body, headers=headers) as r:
-                    out["status"], out["replica"] = r.status_code, r.headers["x-prefixgate-replica"]
-                    async for line in r.aiter_lines():
-                        if not line:
-                            continue
-                        out["lines"] += 1
-                        if line == "data: [DONE]":
-                            out["done_at"].append(out["lines"])
-                        elif line.startswith("data: "):
-                            _take(out, json.loads(line[6:]))
-                        if pid is None and out["lines"] >= 4:
-                            pid = int(_heartbeats(stack.config)[out["replica"]]["pid"])
-                            os.kill(pid, signal.SIGSTOP)  # frozen mid-stream, 92 tokens to go
+                out = await _stream(client, stack.url, body, headers, on_line=freeze)
             finally:
-                if pid is not None:
+                for pid in frozen:
                     os.kill(pid, signal.SIGCONT)
+            assert frozen, out  # the fault was injected
             return reference, out
 
     reference, disturbed = asyncio.run(asyncio.wait_for(scenario(), timeout=300))
