@@ -23,6 +23,7 @@ from replica.default_model import resolve_model
 from replica.detokenizer import Detokenizer
 from replica.engine_core import EngineCore
 from replica.engine_types import EngineConfig, InvalidRequestError, RequestOutput
+from replica.kv_tier_store import TierStore
 from replica.model_runner import ModelRunner, default_dtype
 from replica.sampler import Sampler
 from replica.sequence import Sequence
@@ -59,7 +60,9 @@ class LLMEngine(EngineCore):
         device = torch.device(config.device)
         dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(device)
         shape = ModelRunner.read_shape(str(path))
-        num_blocks = config.num_blocks or max(16, config.kv_cache_bytes // shape.bytes_per_block(config.block_size, dtype))
+        block_bytes = shape.bytes_per_block(config.block_size, dtype)
+        num_blocks = config.num_blocks or max(16, config.kv_cache_bytes // block_bytes)
+        host_blocks, disk_blocks = config.kv_host_bytes // block_bytes, config.kv_disk_bytes // block_bytes
         self.runner = ModelRunner(str(path), block_size=config.block_size, num_blocks=num_blocks, device=device, dtype=dtype,
                                   max_model_len=config.max_model_len)
         self.shape = self.runner.shape
@@ -68,12 +71,16 @@ class LLMEngine(EngineCore):
         vocab_size = self.runner.model.get_input_embeddings().num_embeddings
         self.sampler = Sampler(Grammars(self.tokenizer, vocab_size, sorted(eos)), sorted(eos))
         self.token_text = TokenText(self.tokenizer)
+        self.tier_store = None
+        if host_blocks or disk_blocks:
+            self.tier_store = TierStore(self.runner.pool, config.block_size, host_blocks, disk_blocks, config.kv_disk_dir)
         super().__init__(
             model_id=config.model_id or self.model_path.name, block_size=config.block_size, num_blocks=num_blocks,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=min(config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings),
             vocab_size=vocab_size, eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer),
             executor=ModelStep(self.runner, self.sampler, self.token_text),
+            host_blocks=host_blocks, disk_blocks=disk_blocks, mover=self.tier_store,
         )
         self.kv_imported_blocks = 0  # blocks pulled from other replicas into this cache
         self.kv_import_failures = 0  # pulled payloads refused (another shape, a bad payload): recomputed

@@ -21,9 +21,11 @@ from replica.engine_types import (
     EngineStats,
     InvalidRequestError,
     RequestOutput,
+    TierUsage,
     request_output,
     validate_request,
 )
+from replica.kv_tiers import CopyStats, TierMover
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.sequence import Sequence
 from router.protocol.hashing import block_hashes, chain_seed
@@ -44,12 +46,17 @@ class StepExecutor(Protocol):
 class EngineCore:
     def __init__(self, *, model_id: str, block_size: int, num_blocks: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, vocab_size: int, eos_token_ids: set[int],
-                 detokenizer: Detokenizer, executor: StepExecutor) -> None:
+                 detokenizer: Detokenizer, executor: StepExecutor, host_blocks: int = 0, disk_blocks: int = 0,
+                 mover: TierMover | None = None) -> None:
+        """host_blocks / disk_blocks: the K/V tiers below the pool (replica/kv_tiers.py); `mover`
+        holds their bytes and runs the copies (None: the tiers are bookkeeping only, the
+        simulated replica's case)."""
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, host_blocks, disk_blocks, record_moves=mover is not None)
+        self.mover = mover
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks)
         self.detokenizer = detokenizer
         self.executor = executor
@@ -133,6 +140,7 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        self.apply_tier_moves()  # blocks promoted for this step hold their K/V before it runs
         scheduled = time.monotonic()
         for c in chunks:
             self._scheduled_at.setdefault(c.seq.request_id, scheduled)
@@ -156,6 +164,28 @@ class EngineCore:
                 self.requests.pop(seq.request_id, None)
                 self.forget(seq.request_id)
         return outputs
+
+    def apply_tier_moves(self) -> None:
+        """Run the tier copies the block manager decided: before any forward pass or K/V import
+        reads or writes the blocks they touch (engine thread)."""
+        moves = self.blocks.take_moves()
+        if moves and self.mover is not None:
+            self.mover.apply(moves)
+
+    def tier_usage(self) -> dict[str, TierUsage]:
+        copies = self.mover.stats if self.mover is not None else CopyStats()
+        usage = {}
+        for tier in self.blocks.tiers:
+            m = tier.medium
+            usage[m] = TierUsage(
+                capacity_blocks=tier.capacity, blocks=len(tier),
+                hit_tokens=self.blocks.stats.tier_hit_tokens.get(m, 0),
+                promotions=tier.stats.promotions, demotions=tier.stats.demotions, dropped=tier.stats.dropped,
+                bytes_in=sum(n for (_, dst), n in copies.bytes.items() if dst == m),
+                bytes_out=sum(n for (src, _), n in copies.bytes.items() if src == m),
+                promotion_bytes_per_s=copies.promotion_rate(m),
+            )
+        return usage
 
     def finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -225,4 +255,5 @@ class EngineCore:
             ) + pending,
             steps=self._steps,
             generated_tokens=self._generated,
+            tiers=self.tier_usage(),
         )

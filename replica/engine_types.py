@@ -8,7 +8,7 @@ loading either.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from replica.request_metrics import RequestMetrics
@@ -43,6 +43,11 @@ class EngineConfig:
     max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # K/V tiers below the pool (replica/kv_tiers.py): what the pool evicts moves to host memory,
+    # then to a bounded local file, and is moved back on a prefix hit instead of recomputed
+    kv_host_bytes: int = 0  # 0: no host tier
+    kv_disk_bytes: int = 0  # 0: no disk tier
+    kv_disk_dir: str | None = None  # where the disk tier's file lives (None: the temp directory)
 
 
 @dataclass
@@ -76,6 +81,22 @@ class EngineStats:
     pending_prefill_tokens: int = 0
     steps: int = 0
     generated_tokens: int = 0
+    tiers: dict[str, TierUsage] = field(default_factory=dict)  # per lower medium (host, disk)
+
+
+@dataclass
+class TierUsage:
+    """One tier below the pool: occupancy and traffic since start (the metrics and heartbeat)."""
+
+    capacity_blocks: int
+    blocks: int
+    hit_tokens: int  # prompt tokens served from this tier (moved back instead of recomputed)
+    promotions: int  # blocks moved from it back into the pool
+    demotions: int  # blocks moved into it from the tier above
+    dropped: int  # blocks that left it for no tier below
+    bytes_in: int = 0  # bytes copied into it
+    bytes_out: int = 0  # bytes copied out of it
+    promotion_bytes_per_s: int = 0  # measured rate of its copies back into the pool (0: none yet)
 
 
 def request_output(seq: Sequence, text: str, scheduled_at: float | None) -> RequestOutput:

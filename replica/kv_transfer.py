@@ -124,6 +124,7 @@ def import_blocks(engine: LLMEngine, kv: KvBlocks, hashes: list[int], token_ids:
         n += 1
     blocks = engine.blocks
     pairs = blocks.begin_import(hashes[: f + n], start=f) if n else []
+    engine.apply_tier_moves()  # blocks evicted to make room are copied down before being written
     try:
         write_blocks(engine.runner.pool, [b for _, b in pairs], kv, [i - f for i, _ in pairs], engine.config.block_size)
     except Exception:

@@ -38,6 +38,14 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     prefill_tokens_per_s: int = 0  # prompt tokens computed per second of prefill, recent requests
     kv_bytes_per_token: int = 0  # K/V bytes one token occupies in its pool (what a pull moves per token)
     kv_pull: int = 0  # 1: the replica exports and imports K/V, so pull hints may name it (issue 21)
+    # K/V tiers below the device pool (issue 25, router/protocol/media.py): occupancy in blocks,
+    # and the measured bytes/s of bringing a block back from each tier into the pool (0: none yet)
+    host_blocks: int = 0
+    host_capacity_blocks: int = 0
+    disk_blocks: int = 0
+    disk_capacity_blocks: int = 0
+    kv_host_bytes_per_s: int = 0
+    kv_disk_bytes_per_s: int = 0
     # not read by routers
     pid: int = 0  # the replica's process (operators, the fault tests)
     generated_tokens: int = 0  # output tokens since start (tests see whether an aborted request stopped)
