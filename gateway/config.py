@@ -56,6 +56,10 @@ class AppConfig:
     block_size: int | None = setting(None, help="tokens per K/V block (default: 16; 32 on engine vllm, whose CPU backend needs a multiple of 32)")
     num_blocks: int | None = setting(None, help="K/V blocks per replica (default: from kv_cache_mb)")
     kv_cache_mb: int = setting(KV_CACHE_MB, help="K/V pool per replica, MiB, when num_blocks is not given")
+    kv_host_mb: int = setting(0, help="host-memory K/V tier per replica, MiB: what the pool evicts moves there and "
+                                      "is moved back on a hit instead of recomputed (0: none; docs/kv-tiers.md)")
+    kv_disk_mb: int = setting(0, help="local-disk K/V tier per replica, MiB, below the host tier (0: none)")
+    kv_disk_dir: str | None = setting(None, help="directory of the disk tier's file (default: the temp directory)")
     max_num_seqs: int = setting(MAX_NUM_SEQS, help="sequences running at once per replica")
     max_num_batched_tokens: int = setting(MAX_NUM_BATCHED_TOKENS, help="tokens per engine step (the prefill chunk, decodes included)")
     max_model_len: int | None = setting(4096, help="longest prompt + output, tokens (None: the model's)")
@@ -127,6 +131,11 @@ class AppConfig:
         if self.stall_timeout_s != 0 and self.stall_timeout_s <= 2 * KEEPALIVE_S:
             raise ValueError(f"stall_timeout_s must be 0 (off) or above {2 * KEEPALIVE_S:g} s (two keepalives), "
                              f"got {self.stall_timeout_s}")
+        if self.kv_host_mb < 0 or self.kv_disk_mb < 0:
+            raise ValueError("kv_host_mb and kv_disk_mb must be >= 0")
+        if (self.kv_host_mb or self.kv_disk_mb) and self.engine == "vllm":
+            raise ValueError("kv_host_mb / kv_disk_mb are our engine's K/V tiers; engine vllm has none of ours "
+                             "(vLLM's own offloading reports its medium in its KV events, which the index keeps)")
         if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in self.api_keys.items()):
             raise ValueError("api_keys must map non-empty API key strings to tenant name strings")
         for name in ("sim_service", "sim_transfer", "replica_resources", "gateway_resources"):

@@ -77,7 +77,7 @@ class PrefixCacheReplica:
         """Our engines' AsyncLLMEngine (tests and replica/kv_pull.py drive it directly)."""
         return self.backend.engine
 
-    async def _snapshot(self) -> list[tuple[int, int]]:
+    async def _snapshot(self) -> list[tuple[int, int, str]]:
         """The cached set for a full resync, taken between steps (never blocks this loop)."""
         return await self.backend.block_snapshot(self.publisher.reset_events)
 

@@ -93,8 +93,8 @@ class EngineBackend(Protocol):
     def add_listener(self, listener: KVEventListener) -> None:
         """Where this backend's block events go (the publisher to the index)."""
 
-    def block_snapshot(self, reset_events: Callable[[], None]) -> Awaitable[list[tuple[int, int]]]:
-        """(our hash, position) of every cached block, for a full resync; `reset_events` is
+    def block_snapshot(self, reset_events: Callable[[], None]) -> Awaitable[list[tuple[int, int, str]]]:
+        """(our hash, position, medium) of every block held in any tier, for a full resync; `reset_events` is
         called atomically with taking it, so no event is both in it and queued after it."""
         ...
 

@@ -32,6 +32,10 @@ def build_heartbeat(backend: EngineBackend, puller: PullLoad | None,
         "pid": os.getpid(),
         "generated_tokens": s.generated_tokens,
     }
+    for medium, tier in s.tiers.items():  # the K/V tiers below the pool (issue 25)
+        load[f"{medium}_blocks"] = tier.blocks
+        load[f"{medium}_capacity_blocks"] = tier.capacity_blocks
+        load[f"kv_{medium}_bytes_per_s"] = tier.promotion_bytes_per_s
     extra = backend.load_extra()
     rates = {k: extra.pop(k) for k in ("kv_pull_bytes_per_s", "prefill_tokens_per_s") if k in extra}
     load.update(extra)

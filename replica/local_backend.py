@@ -80,10 +80,10 @@ class LocalBackend:
     def add_listener(self, listener: KVEventListener) -> None:
         self.engine.engine.add_listener(listener)
 
-    async def block_snapshot(self, reset_events: Callable[[], None]) -> list[tuple[int, int]]:
-        def take(engine) -> list[tuple[int, int]]:  # between steps: no event can slip in between
+    async def block_snapshot(self, reset_events: Callable[[], None]) -> list[tuple[int, int, str]]:
+        def take(engine) -> list[tuple[int, int, str]]:  # between steps: no event can slip in between
             reset_events()
-            return engine.blocks.cached_hashes()
+            return engine.blocks.held_blocks()
 
         return await self.engine.submit(take)
 

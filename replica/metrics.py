@@ -74,7 +74,16 @@ class ReplicaMetrics:
         self.prefill = metric("histogram", "vllm_request_prefill_time_seconds", "First scheduled to first token", buckets=REQUEST_BUCKETS)
         self.decode = metric("histogram", "vllm_request_decode_time_seconds", "First token to last token", buckets=REQUEST_BUCKETS)
         self.inference = metric("histogram", "vllm_request_inference_time_seconds", "First scheduled to finish", buckets=REQUEST_BUCKETS)
+        # the K/V tiers below the pool (issue 25), per medium
+        self.tier_blocks = metric("gauge", "prefixgate_kv_tier_blocks", "Blocks held in a K/V tier below the pool", ["medium"])
+        self.tier_capacity = metric("gauge", "prefixgate_kv_tier_capacity_blocks", "Capacity of a K/V tier below the pool", ["medium"])
+        self.tier_hits = metric("counter", "prefixgate_kv_tier_hit_tokens", "Prompt tokens served from a lower tier (moved back, not recomputed)", ["medium"])
+        self.tier_promotions = metric("counter", "prefixgate_kv_tier_promotions", "Blocks moved from a lower tier back into the pool", ["medium"])
+        self.tier_demotions = metric("counter", "prefixgate_kv_tier_demotions", "Blocks moved down into a tier", ["medium"])
+        self.tier_dropped = metric("counter", "prefixgate_kv_tier_dropped", "Blocks that left the last tier (their K/V is gone)", ["medium"])
+        self.tier_bytes = metric("counter", "prefixgate_kv_tier_bytes", "K/V bytes copied into or out of a tier", ["medium", "direction"])
         self._preemptions_seen = 0
+        self._tier_seen: dict[tuple[str, str], int] = {}
         for counter in (self.cache_queries, self.cache_hits, self.preemptions, self.prompt_tokens, self.generation_tokens):
             counter.zero()
         for reason in ("stop", "length", "abort"):
@@ -112,6 +121,27 @@ class ReplicaMetrics:
         if s.preemptions > self._preemptions_seen:
             self.preemptions.inc(s.preemptions - self._preemptions_seen)
             self._preemptions_seen = s.preemptions
+        for medium, t in s.tiers.items():
+            if (medium, "hits") not in self._tier_seen:  # first sight: every series exists from 0 on
+                for counter in (self.tier_hits, self.tier_promotions, self.tier_demotions, self.tier_dropped):
+                    counter.zero(medium)
+                self.tier_bytes.zero(medium, "in")
+                self.tier_bytes.zero(medium, "out")
+                self._tier_seen[(medium, "hits")] = 0
+            self.tier_blocks.labels(medium).set(t.blocks)
+            self.tier_capacity.labels(medium).set(t.capacity_blocks)
+            for counter, key, total in (
+                (self.tier_hits.labels(medium), "hits", t.hit_tokens),
+                (self.tier_promotions.labels(medium), "promotions", t.promotions),
+                (self.tier_demotions.labels(medium), "demotions", t.demotions),
+                (self.tier_dropped.labels(medium), "dropped", t.dropped),
+                (self.tier_bytes.labels(medium, "in"), "in", t.bytes_in),
+                (self.tier_bytes.labels(medium, "out"), "out", t.bytes_out),
+            ):
+                seen = self._tier_seen.get((medium, key), 0)  # the engine counts totals; Ray counters take increments
+                if total > seen:
+                    counter.inc(total - seen)
+                    self._tier_seen[(medium, key)] = total
 
     async def run_gauges(self, stats: Callable[[], EngineStats], interval_s: float = 1.0) -> None:
         """Refresh the gauges until cancelled (the replica's lifetime); Ray exports the last value."""

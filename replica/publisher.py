@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.index_writer import IndexWriter
+from router.protocol.media import DEVICE, check_replica_id
 from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS, Heartbeat, RedisKeys
 from router.redis_index import Client, open_client
 from router.router_options import PUBLISH_DEPTH
@@ -60,16 +61,18 @@ class BlockPublisher:
     def __init__(
         self,
         config: PublisherConfig,
-        snapshot: Callable[[], list[tuple[int, int]]],
+        snapshot: Callable[[], list[tuple[int, int, str]]],
         load: Callable[[], Heartbeat | dict[str, int]],
     ) -> None:
-        """snapshot() returns (hash, position) of every cached block (or an awaitable of it)
-        and must call reset_events() atomically with taking it (under the engine's lock)."""
+        """snapshot() returns (hash, position, medium) of every block held in any tier (or an
+        awaitable of it) and must call reset_events() atomically with taking it (under the
+        engine's lock)."""
+        check_replica_id(config.replica_id)
         self.config = config
         self.keys = RedisKeys(config.key_prefix, config.buckets)
         self._snapshot = snapshot
         self._load = load
-        self._events: collections.deque[tuple[str, list[int]]] = collections.deque()
+        self._events: collections.deque[tuple[str, list[int], str]] = collections.deque()
         self._backlog = 0
         self._lock = threading.Lock()
         self._wanted = 1  # resync generations requested / completed
@@ -88,13 +91,13 @@ class BlockPublisher:
             self._wanted += 1
 
     # ---- KVEventListener (engine thread) -------------------------------------------------
-    def stored(self, hashes: list[int], positions: list[int]) -> None:
+    def stored(self, hashes: list[int], positions: list[int], medium: str = DEVICE) -> None:
         keep = [h for h, p in zip(hashes, positions, strict=True) if p < self.config.depth]
         if keep:
-            self._push("+", keep)
+            self._push("+", keep, medium)
 
-    def removed(self, hashes: list[int]) -> None:
-        self._push("-", hashes)
+    def removed(self, hashes: list[int], medium: str = DEVICE) -> None:
+        self._push("-", hashes, medium)
 
     def cleared(self) -> None:
         with self._lock:
@@ -102,13 +105,13 @@ class BlockPublisher:
             self._backlog = 0
             self._wanted += 1
 
-    def _push(self, op: str, hashes: list[int]) -> None:
+    def _push(self, op: str, hashes: list[int], medium: str) -> None:
         with self._lock:
             if self._backlog >= self.config.max_backlog:
                 self.stats.dropped += len(hashes)
                 self._wanted += 1
                 return
-            self._events.append((op, hashes))
+            self._events.append((op, hashes, medium))
             self._backlog += len(hashes)
 
     def reset_events(self) -> None:
@@ -184,13 +187,13 @@ class BlockPublisher:
         snapshot = self._snapshot()  # also clears queued events, atomically with the engine
         if inspect.isawaitable(snapshot):  # the replica takes it between engine steps
             snapshot = await snapshot
-        hashes = [h for h, p in snapshot if p < self.config.depth]
+        blocks = [(h, m) for h, p, m in snapshot if p < self.config.depth]
         await asyncio.wait_for(self._heartbeat(writer), bound)  # alive before (re)registering
         # a big cache takes longer than one call's bound: allow for its size
-        await asyncio.wait_for(writer.replace(self.config.replica_id, hashes), bound + len(hashes) / 20_000)
+        await asyncio.wait_for(writer.replace(self.config.replica_id, blocks), bound + len(blocks) / 20_000)
         self._done = max(self._done, generation)
         self.stats.resyncs += 1
-        self.stats.published += len(hashes)
+        self.stats.published += len(blocks)
 
     async def _flush(self, writer: IndexWriter) -> None:
         with self._lock:
@@ -200,7 +203,7 @@ class BlockPublisher:
         if not batch:
             return
         await writer.apply(self.config.replica_id, batch)
-        self.stats.published += sum(len(h) for _, h in batch)
+        self.stats.published += sum(len(h) for _, h, _ in batch)
 
     async def _heartbeat(self, writer: IndexWriter) -> None:
         load = self._load()

@@ -66,6 +66,17 @@ ROWS = [
         ("Preemptions", "short", "Requests whose blocks were freed to make room (recomputed later).",
          [(f"sum by (replica) (rate(ray_vllm_num_preemptions_total{{{M}}}{RATE}))", "{{replica}}")]),
     ]),
+    ("K/V tiers below the pool", [
+        ("Tier occupancy", "percentunit", "Blocks held / capacity of the host and disk tiers, all replicas.",
+         [(f"sum by (medium) (ray_prefixgate_kv_tier_blocks{{{M}}}) / sum by (medium) (ray_prefixgate_kv_tier_capacity_blocks{{{M}}})", "{{medium}}")]),
+        ("Promotions and demotions", "short", "Blocks per second moved back into the pool (hits) and down into each tier.",
+         [(f"sum by (medium) (rate(ray_prefixgate_kv_tier_promotions_total{{{M}}}{RATE}))", "promoted from {{medium}}"),
+          (f"sum by (medium) (rate(ray_prefixgate_kv_tier_demotions_total{{{M}}}{RATE}))", "demoted to {{medium}}"),
+          (f"sum by (medium) (rate(ray_prefixgate_kv_tier_dropped_total{{{M}}}{RATE}))", "dropped from {{medium}}")]),
+        ("Tier hits and bytes moved", "Bps", "Prompt tokens per second served from each tier, and K/V bytes per second copied.",
+         [(f"sum by (medium) (rate(ray_prefixgate_kv_tier_hit_tokens_total{{{M}}}{RATE}))", "hit tokens / s {{medium}}"),
+          (f"sum by (medium, direction) (rate(ray_prefixgate_kv_tier_bytes_total{{{M}}}{RATE}))", "{{medium}} {{direction}}")]),
+    ]),
     ("Errors and recovery", [
         ("429s (replicas saturated)", "reqps", "",
          [(f"sum(rate(ray_prefixgate_rejected_total{RATE}))", "429 / s")]),
