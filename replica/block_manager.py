@@ -58,6 +58,7 @@ class BlockStats:
     evictions: int = 0
     collisions: int = 0  # hash hits refused because the block held other tokens
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)  # of hit_tokens, served from each lower tier
+    writeback_hits: int = 0  # evictions whose copy down had been made ahead, off the step
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -89,6 +90,10 @@ class BlockManager:
         self.tiers: list[LowerTier] = [LowerTier(m, n) for m, n in ((HOST, host_blocks), (DISK, disk_blocks)) if n > 0]
         self.record_moves = record_moves
         self._moves: list[TierMove] = []
+        # write-behind: pool blocks whose K/V already has a copy in the first tier's slot, made
+        # off the step before they are evicted (plan_writeback), so evicting them copies nothing
+        self._shadow: dict[int, int] = {}  # pool block -> slot in tiers[0]
+        self._writing: list[int] = []  # blocks pinned while their copy runs
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -116,6 +121,44 @@ class BlockManager:
         forward pass reads or writes any block they touch)."""
         moves, self._moves = self._moves, []
         return moves
+
+    def plan_writeback(self, max_blocks: int, max_shadows: int) -> list[TierMove]:
+        """Copies of the pool's coldest cached blocks into free slots of the first tier, to run
+        off the engine thread while the forward pass runs: the blocks are pinned (no step can
+        reuse them) until `finish_writeback`. When one of them is evicted later, its copy is
+        already in place and the eviction copies nothing. Never evicts anything to make room;
+        at most `max_shadows` such copies exist at a time."""
+        if not self.tiers or self._writing:
+            return []
+        tier = self.tiers[0]
+        moves: list[TierMove] = []
+        for block in self._lru:  # oldest first
+            if len(moves) >= max_blocks or len(self._shadow) >= max_shadows or tier.full:
+                break
+            if block not in self._shadow:
+                self._shadow[block] = slot = tier.reserve()
+                moves.append(TierMove(DEVICE, block, tier.medium, slot))
+        self._writing = [m.src_slot for m in moves]
+        for block in self._writing:
+            self._take(block)
+        return moves
+
+    def finish_writeback(self, ok: bool = True) -> None:
+        """The write-behind copies are done: their blocks go back to the cold end of the LRU,
+        in the order they had (`ok` False: the copy failed, so the copies are forgotten)."""
+        blocks, self._writing = self._writing, []
+        for block in reversed(blocks):
+            if not ok:
+                self._drop_shadow(block)
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self._lru[block] = None
+                self._lru.move_to_end(block, last=False)
+
+    def _drop_shadow(self, block: int) -> None:
+        slot = self._shadow.pop(block, None)
+        if slot is not None:
+            self.tiers[0].release(slot)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -281,6 +324,8 @@ class BlockManager:
         n = len(self.hash_to_block) + sum(len(t) for t in self.tiers)
         for block in list(self.hash_to_block.values()):
             self._unhash(block)
+        for block in list(self._shadow):
+            self._drop_shadow(block)
         self._free.extend(self._lru)
         self._lru.clear()
         for tier in self.tiers:
@@ -399,7 +444,14 @@ class BlockManager:
             if self.tiers:
                 events = TierEvents()
                 for block, h, pos, tokens in evicted:
-                    self._spill(0, h, pos, tokens, DEVICE, block, events)
+                    slot = self._shadow.pop(block, None)
+                    if slot is None:
+                        self._spill(0, h, pos, tokens, DEVICE, block, events)
+                    else:  # written behind already: the copy is in place
+                        self.tiers[0].adopt(h, slot, pos, tokens)
+                        self.tiers[0].stats.demotions += 1
+                        self.stats.writeback_hits += 1
+                        events.add("+", self.tiers[0].medium, h, pos)
                 events.deliver(self.listeners)
         return blocks
 
@@ -410,6 +462,10 @@ class BlockManager:
         if level >= len(self.tiers):
             return  # no tier below: the K/V is gone (its removal was announced)
         tier = self.tiers[level]
+        if tier.full and level == 0:  # a write-behind copy is cheaper to give up than a held block
+            spare = next((b for b in self._shadow if b not in self._writing), None)
+            if spare is not None:
+                self._drop_shadow(spare)
         if tier.full and not tier.entries:  # every slot is being read back into the pool right now
             self._spill(level + 1, h, pos, tokens, src, src_slot, events)
             return

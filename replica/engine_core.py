@@ -11,8 +11,10 @@ rule changed here changes both.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from replica.block_manager import BlockManager, KVEventListener
@@ -30,6 +32,8 @@ from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.sequence import Sequence
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.sampling import SamplingParams
+
+log = logging.getLogger("prefixgate.replica.engine")
 
 
 class StepExecutor(Protocol):
@@ -57,6 +61,9 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.blocks = BlockManager(num_blocks, block_size, host_blocks, disk_blocks, record_moves=mover is not None)
         self.mover = mover
+        # write-behind of the pool's cold end into the first tier, during the forward pass
+        self._writeback_blocks = max(8, max_num_batched_tokens // block_size)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-writeback") if mover is not None and self.blocks.tiers else None
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks)
         self.detokenizer = detokenizer
         self.executor = executor
@@ -144,7 +151,15 @@ class EngineCore:
         scheduled = time.monotonic()
         for c in chunks:
             self._scheduled_at.setdefault(c.seq.request_id, scheduled)
-        samplers, tokens, logprobs = self.executor.execute(chunks, {id(c.seq) for c in chunks} - before)
+        writing = self._start_writeback()
+        try:
+            samplers, tokens, logprobs = self.executor.execute(chunks, {id(c.seq) for c in chunks} - before)
+        finally:
+            if writing is not None:
+                failed = writing.exception()
+                if failed is not None:  # the copies are forgotten: those blocks are copied when evicted
+                    log.warning("K/V write-behind failed: %r", failed)
+                self.blocks.finish_writeback(ok=failed is None)
         self.scheduler.commit(chunks)
         self._steps += 1
         outputs: list[RequestOutput] = []
@@ -172,6 +187,15 @@ class EngineCore:
         if moves and self.mover is not None:
             self.mover.apply(moves)
 
+    def _start_writeback(self) -> Future | None:
+        """Copy the pool's coldest cached blocks down while the forward pass runs: blocks it
+        does not read (unreferenced), pinned until the copy is done. A later eviction of them
+        then copies nothing on the step (BlockManager.plan_writeback)."""
+        if self._writer is None:
+            return None
+        moves = self.blocks.plan_writeback(self._writeback_blocks, 2 * self._writeback_blocks)
+        return self._writer.submit(self.mover.apply, moves) if moves else None
+
     def tier_usage(self) -> dict[str, TierUsage]:
         copies = self.mover.stats if self.mover is not None else CopyStats()
         usage = {}
@@ -181,6 +205,7 @@ class EngineCore:
                 capacity_blocks=tier.capacity, blocks=len(tier),
                 hit_tokens=self.blocks.stats.tier_hit_tokens.get(m, 0),
                 promotions=tier.stats.promotions, demotions=tier.stats.demotions, dropped=tier.stats.dropped,
+                written_behind=self.blocks.stats.writeback_hits if tier is self.blocks.tiers[0] else 0,
                 bytes_in=sum(n for (_, dst), n in copies.bytes.items() if dst == m),
                 bytes_out=sum(n for (src, _), n in copies.bytes.items() if src == m),
                 promotion_bytes_per_s=copies.promotion_rate(m),

@@ -94,6 +94,7 @@ class TierUsage:
     promotions: int  # blocks moved from it back into the pool
     demotions: int  # blocks moved into it from the tier above
     dropped: int  # blocks that left it for no tier below
+    written_behind: int = 0  # demotions whose copy was made ahead, during a forward pass (first tier)
     bytes_in: int = 0  # bytes copied into it
     bytes_out: int = 0  # bytes copied out of it
     promotion_bytes_per_s: int = 0  # measured rate of its copies back into the pool (0: none yet)

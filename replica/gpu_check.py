@@ -1,8 +1,11 @@
-"""What scripts/gpu_check.sh runs: bf16 parity on the device, then a nano-vllm-style throughput
-benchmark on a randomly initialised Qwen3-0.6B (throughput does not depend on weight values).
+"""What scripts/gpu_check.sh runs: the Triton paged-attention kernels against the torch path,
+bf16 parity on the device, then a nano-vllm-style throughput benchmark on a randomly
+initialised Qwen3-0.6B (throughput does not depend on weight values).
 
     python -m replica.gpu_check --device cuda            # the real check (256 seqs, 100-1024)
+    python -m replica.gpu_check --attention triton       # parity and throughput on the Triton kernels
     python -m replica.gpu_check --smoke                  # tiny model on CPU, same code paths
+                                                         # (kernels under Triton's interpreter)
 
 The workload follows nano-vllm's bench.py: seed 0, prompts of uniform 100..1024 random token
 ids in [0, 10000), outputs of uniform 100..1024 tokens, temperature 0.6, end of sequence
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from replica import parity
+from replica import attention, parity, triton_check
 
 
 def qwen3_0_6b_config():
@@ -119,6 +122,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=float, default=40.0)
     p.add_argument("--max-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--attention", choices=("torch", "triton"), default="torch",
+                   help="the engine's attention for parity and throughput (attention.set_backend)")
+    p.add_argument("--skip-kernel", action="store_true", help="skip Triton kernels against the torch path")
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--json", type=Path, default=None)
@@ -135,9 +141,20 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device here: run with --smoke for the CPU form", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"device {args.device} ({name}), torch {torch.__version__}, dtype {args.dtype}", flush=True)
-    report: dict = {"device": name, "torch": torch.__version__}
+    print(f"device {args.device} ({name}), torch {torch.__version__}, dtype {args.dtype}, "
+          f"attention {args.attention}", flush=True)
+    report: dict = {"device": name, "torch": torch.__version__, "attention": args.attention}
     ok = True
+    if not args.skip_kernel or args.attention == "triton":
+        triton_check.use_interpreter_on_cpu(args.device)  # this process's own triton import
+    if not args.skip_kernel:
+        report["kernel"] = triton_check.kernel_check(args.device)
+        for r in report["kernel"]:
+            print(f"triton kernels {r['dtype']:8s} ({r['heads']} heads, {r['kv_heads']} KV, d {r['head_dim']}): max "
+                  f"|triton - torch| {r['max_error']:.2e} (tolerance {r['tolerance']:.0e}): "
+                  f"{'ok' if r['ok'] else 'FAILED'}", flush=True)
+            ok = ok and r["ok"]
+    attention.set_backend(args.attention)
     with tempfile.TemporaryDirectory(prefix="prefixgate-gpu-check-") as tmp:
         if not args.skip_parity:
             results = []

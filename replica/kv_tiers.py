@@ -83,6 +83,14 @@ class LowerTier:
         self.entries[block_hash] = TierEntry(slot, position, tokens)
         return slot
 
+    def reserve(self) -> int:
+        """A free slot for a copy made ahead of need (a write-behind shadow), not an entry yet."""
+        return self._free.popleft()
+
+    def adopt(self, block_hash: int, slot: int, position: int, tokens: tuple[int, ...] | None) -> None:
+        """A reserved slot that already holds this block's K/V becomes its entry."""
+        self.entries[block_hash] = TierEntry(slot, position, tokens)
+
     def take(self, block_hash: int) -> TierEntry:
         """Remove a block; its slot stays reserved until `release`, so that nothing is written
         into it before its bytes were copied out."""

@@ -1,4 +1,5 @@
-"""scripts/gpu_check.sh in its CPU form (--smoke): the script a CUDA machine runs is no dead code."""
+"""scripts/gpu_check.sh in its CPU form (--smoke, Triton kernels interpreted): the script a CUDA
+machine runs is no dead code."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def test_gpu_check_smoke_runs_parity_and_throughput(tmp_path):
     report = json.loads(out.read_text())
     assert [r["family"] for r in report["parity"]] == ["llama", "qwen2", "qwen3", "mistral"]
     assert all(r["agreed"] == r["prompts"] for r in report["parity"])
+    assert [r["dtype"] for r in report["kernel"]] == ["float32", "bfloat16"]  # Triton, interpreted
+    assert all(r["ok"] for r in report["kernel"])
     tp = report["throughput"]
     assert tp["num_seqs"] == 8 and tp["device"] == "cpu"
     assert 8 * 10 <= tp["output_tokens"] <= 8 * 60  # every request ran to its own max_tokens

@@ -73,6 +73,23 @@ def test_evicted_blocks_move_to_host_and_come_back_as_hits():
     assert bm.stats.tier_hit_tokens == {HOST: 8} and bm.tier(HOST).stats.promotions == 2
 
 
+def test_a_block_written_behind_is_evicted_without_a_copy():
+    bm, rec = make(num_blocks=4, host=8)
+    a = [1] * 8 + [2]
+    ta, _ = run(bm, a)
+    bm.take_moves()
+    ahead = bm.plan_writeback(8, 8)  # the two cached blocks, copied while a forward pass runs
+    assert [(m.src, m.dst) for m in ahead] == [(DEVICE, HOST)] * 2
+    assert bm.num_available == 2, "pinned while their copy runs"
+    bm.finish_writeback()
+    assert bm.num_available == 4 and bm.plan_writeback(8, 8) == [], "copied once"
+    run(bm, [7] * 12 + [8])  # evicts both: nothing left to copy on the step
+    assert not [m for m in bm.take_moves() if m.src == DEVICE]
+    assert bm.stats.writeback_hits == 2 and set(ta.hashes[:2]) <= rec.held[HOST]
+    t, cached = run(bm, a)
+    assert cached == 8 and t.promoted == {HOST: 2}
+
+
 def test_host_overflow_spills_to_disk_then_drops_in_lru_order():
     bm, rec = make(num_blocks=2, host=1, disk=1)
     prompts = [[p] * 4 + [p + 100] for p in (1, 2, 3)]  # one full block and one token: 2 blocks each
@@ -109,7 +126,7 @@ def test_clear_cache_empties_every_tier():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 14), st.booleans()), min_size=1, max_size=40),
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 14), st.booleans(), st.integers(0, 3)), min_size=1, max_size=40),
        st.integers(3, 8), st.integers(0, 4), st.integers(0, 4))
 def test_copies_always_land_where_the_bookkeeping_says(ops, pool, host, disk):
     """Replays the recorded moves on fake bytes (a block's payload is its hash, written when it
@@ -125,7 +142,10 @@ def test_copies_always_land_where_the_bookkeeping_says(ops, pool, host, disk):
         for m in moves:
             data[m.dst][m.dst_slot] = data[m.src][m.src_slot]
 
-    for prefix, tail, keep in ops:
+    for prefix, tail, keep, writeback in ops:
+        if writeback:  # copies made ahead of eviction, as during a forward pass
+            replay(bm.plan_writeback(writeback, 4))
+            bm.finish_writeback()
         tokens = prefixes[prefix][: max(tail, 1)] + [99]
         t = BlockTable(hashes=block_hashes(tokens, BS, 0), token_ids=tokens)
         while not bm.can_allocate(t, len(tokens)) and live:
@@ -147,6 +167,8 @@ def test_copies_always_land_where_the_bookkeeping_says(ops, pool, host, disk):
         for tier in bm.tiers:
             for h, e in tier.entries.items():
                 assert data[tier.medium][e.slot] == h
+        for block, slot in bm._shadow.items():  # a write-behind copy is its block's K/V
+            assert data[bm.tiers[0].medium][slot] == bm.block_hash[block]
         for medium in (DEVICE, HOST, DISK):
             assert rec.held[medium] == {h for h, _, m in held if m == medium}
 
@@ -186,4 +208,6 @@ def test_greedy_after_a_tier_hit_equals_recompute(tiny, tier, tmp_path):
     assert again.num_cached_tokens == 40
     usage = engine.stats().tiers[tier]
     assert usage.promotions > 0 and usage.hit_tokens > 0 and usage.bytes_out >= usage.promotions * block_bytes
+    first = engine.stats().tiers[HOST]
+    assert first.written_behind > 0, "some evictions found their copy made during a forward pass"
     assert not list(tmp_path.iterdir()), "the disk tier's file is unlinked once mapped"
