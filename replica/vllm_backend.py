@@ -371,7 +371,7 @@ class VllmBackend:
     def add_listener(self, listener: KVEventListener) -> None:
         self._listeners.append(listener)
 
-    async def block_snapshot(self, reset_events: Callable[[], None]) -> list[tuple[int, int]]:
+    async def block_snapshot(self, reset_events: Callable[[], None]) -> list[tuple[int, int, str]]:
         reset_events()  # events are applied on this loop, so nothing runs between the two lines
         return self.translator.held()
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from router.load_table import LoadTable
 from router.policy import Decision, Policy, ReplicaView, RouteRequest
+from router.protocol.media import DISK, HOST
 from router.redis_index import Lookup
 
 # How long a router remembers where it sent each prefix, for `stale` decisions when Redis is
@@ -148,11 +149,14 @@ class Decider:
         to a replica (fresher than heartbeats)."""
         live = self.loads.watch(ids)
         matched = {rid: e.matched_blocks for rid, e in look.replicas.items() if rid in live}
+        # the index's lower-tier part of each match; kept when this router's own memory extends
+        # the match (the blocks it sent there since are computed into the pool)
+        tiers = {rid: e.tier_blocks for rid, e in look.replicas.items() if rid in live and e.tier_blocks}
         for rid, n in self.inflight.match(route.block_hashes).items():
             if rid in live and n > matched.get(rid, 0):
                 matched[rid] = n
         session_replica = look.session_replica if look.session_replica in live else None
-        return self._choose(route, ids, matched, session_replica, queue_len)
+        return self._choose(route, ids, matched, session_replica, queue_len, tiers)
 
     def degraded(self, route: RouteRequest, ids: list[str], queue_len: Callable[[str], int | None]) -> Routed:
         """The index did not answer (lookup timed out, Redis away): decide from what this router
@@ -172,7 +176,7 @@ class Decider:
         return routed
 
     def _choose(self, route: RouteRequest, ids: list[str], matched: dict[str, int], session_replica: str | None,
-                queue_len: Callable[[str], int | None]) -> Routed:
+                queue_len: Callable[[str], int | None], tiers: dict[str, dict[str, int]] | None = None) -> Routed:
         scored = set(matched)
         if session_replica is not None:
             scored.add(session_replica)
@@ -183,7 +187,9 @@ class Decider:
         if not scored:
             scored.add(ids[0])
         unknown = self.loads.pessimistic()
-        views = [self._view(rid, matched.get(rid, 0), queue_len(rid) or 0, unknown) for rid in sorted(scored)]
+        tiers = tiers or {}
+        views = [self._view(rid, matched.get(rid, 0), queue_len(rid) or 0, unknown, tiers.get(rid))
+                 for rid in sorted(scored)]
         decision = self.policy.decide(route, views, session_replica)
         ranked = [decision.replica_id]
         ranked += [v.replica_id for v in self.policy.rank(route, views) if v.replica_id != decision.replica_id]
@@ -195,7 +201,10 @@ class Decider:
         if routed.route.session_id:
             self.sessions.remember(routed.route.session_id, replica_id)
 
-    def _view(self, rid: str, matched: int, local_queue: int, unknown: dict[str, int]) -> ReplicaView:
+    def _view(self, rid: str, matched: int, local_queue: int, unknown: dict[str, int],
+              tiers: dict[str, int] | None = None) -> ReplicaView:
+        """`tiers`: the blocks of the match in each lower tier (the lookup's `tier_blocks`)."""
+        tiers = tiers or {}
         hb = self.loads.get(rid)
         running = (hb or unknown).get("running", 0)
         if hb is None:
@@ -210,6 +219,8 @@ class Decider:
         return ReplicaView(
             replica_id=rid,
             matched_blocks=matched,
+            host_blocks=tiers.get(HOST, 0),
+            disk_blocks=tiers.get(DISK, 0),
             running=running,
             waiting=waiting,
             pending_prefill_tokens=hb.get("pending_prefill_tokens", 0),

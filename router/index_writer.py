@@ -2,19 +2,32 @@
 
 Used by our replicas' publisher and by the vLLM event adapter alike. Every write keeps two
 views in step: the inverted index (block -> replicas, what lookups read) and the replica's
-own set (replica -> blocks, what a resync or a clean-up needs to retract). Writes go through
-non-transactional pipelines, which a Redis Cluster splits per shard; they are idempotent, so a
-write cut short is repaired by the next resync.
+own set (replica -> blocks, what a resync or a clean-up needs to retract). Each write names
+the medium the blocks live in (router/protocol/media.py): the inverted index holds
+`member(rid, medium)`, the replica's set `entry(hash, medium)`, so a retract or a resync can
+remove a lower tier's members too. Writes go through non-transactional pipelines, which a Redis
+Cluster splits per shard; they are idempotent, so a write cut short is repaired by the next
+resync.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from router.protocol.media import MEDIA, check_replica_id, entry, member, split_entry
 from router.protocol.redis_schema import RedisKeys
 from router.redis_index import Client
 
 CHUNK = 5000  # members per SADD/SREM and commands per pipeline flush
+
+Event = tuple[str, list[int], str]  # ("+" stored / "-" removed, block hashes, their medium)
+
+
+def _check_medium(medium: str) -> str:
+    """An unknown medium would be written as a member no lookup decodes: refuse it."""
+    if medium not in MEDIA:
+        raise ValueError(f"unknown medium {medium!r} (one of {MEDIA})")
+    return medium
 
 
 class IndexWriter:
@@ -37,52 +50,58 @@ class IndexWriter:
             results += await pipe.execute()
         return results
 
-    def _stage_add(self, pipe, rid: str, hashes: list[int]) -> Iterable[None]:
+    def _stage(self, pipe, rid: str, op: str, hashes: list[int], medium: str) -> Iterable[None]:
+        """SADD ("+") or SREM ("-") `hashes` in `medium` on both views."""
+        write = pipe.sadd if op == "+" else pipe.srem
+        holder = member(rid, medium)
         for h in hashes:
-            pipe.sadd(self.keys.block(h), rid)
+            write(self.keys.block(h), holder)
             yield
-        for i in range(0, len(hashes), CHUNK):
-            pipe.sadd(self.keys.blocks(rid), *hashes[i : i + CHUNK])
+        entries = [entry(h, medium) for h in hashes]
+        for i in range(0, len(entries), CHUNK):
+            write(self.keys.blocks(rid), *entries[i : i + CHUNK])
             yield
 
-    def _stage_remove(self, pipe, rid: str, hashes: list[int]) -> Iterable[None]:
-        for h in hashes:
-            pipe.srem(self.keys.block(h), rid)
-            yield
-        for i in range(0, len(hashes), CHUNK):
-            pipe.srem(self.keys.blocks(rid), *hashes[i : i + CHUNK])
-            yield
-
-    async def apply(self, rid: str, events: list[tuple[str, list[int]]]) -> None:
-        """("+", hashes) stored / ("-", hashes) removed, in order."""
+    async def apply(self, rid: str, events: list[Event]) -> None:
+        """("+", hashes, medium) stored / ("-", hashes, medium) removed, in order. A block that
+        moves between tiers comes as its removal from one medium, then its store in the other."""
+        check_replica_id(rid)
+        for _, _, medium in events:  # before anything is written
+            _check_medium(medium)
 
         def stage(pipe):
-            for op, hashes in events:
-                yield from (self._stage_add if op == "+" else self._stage_remove)(pipe, rid, hashes)
+            for op, hashes, medium in events:
+                yield from self._stage(pipe, rid, op, hashes, medium)
 
         await self._run(stage)
 
-    async def replace(self, rid: str, hashes: Iterable[int], register: bool = True) -> int:
-        """Make the index hold exactly `hashes` for this replica (a full resync); returns the
-        number of stale entries retracted."""
-        new = {int(h) for h in hashes}
-        old = {int(h) for h in await self.client.smembers(self.keys.blocks(rid))}
-        stale = list(old - new)
-        fresh = list(new - old)
+    async def replace(self, rid: str, blocks: Iterable[tuple[int, str]], register: bool = True) -> int:
+        """Make the index hold exactly `blocks` ((hash, medium) pairs; a hash given twice keeps
+        its last medium) for this replica: a full resync. Returns the number of stale entries
+        retracted (a block now in another medium counts as one)."""
+        new = {int(h): _check_medium(m) for h, m in blocks}
+        if new:
+            check_replica_id(rid)
+        old = {split_entry(v) for v in await self.client.smembers(self.keys.blocks(rid))}
+        stale = _by_medium(b for b in old if new.get(b[0]) != b[1])
+        fresh = _by_medium(b for b in new.items() if b not in old)
 
         def stage(pipe):
-            yield from self._stage_remove(pipe, rid, stale)
-            yield from self._stage_add(pipe, rid, fresh)
+            for medium, hashes in stale.items():
+                yield from self._stage(pipe, rid, "-", hashes, medium)
+            for medium, hashes in fresh.items():
+                yield from self._stage(pipe, rid, "+", hashes, medium)
             if register:
                 pipe.sadd(self.keys.replicas, rid)
                 yield
 
         await self._run(stage)
-        return len(stale)
+        return sum(len(h) for h in stale.values())
 
     async def retract(self, rid: str) -> bool:
-        """Remove every entry of this replica (it stopped, or died). True if this call removed
-        it from the registered replicas (two collectors racing both clean, one counts)."""
+        """Remove every entry of this replica, in every medium (it stopped, or died). True if
+        this call removed it from the registered replicas (two collectors racing both clean, one
+        counts)."""
         await self.replace(rid, (), register=False)  # a late collector must not re-register it
 
         def stage(pipe):
@@ -123,3 +142,11 @@ class IndexWriter:
         alive = await pipe.execute()
         dead = [rid for rid, a in zip(members, alive, strict=True) if not a]
         return [rid for rid in dead if await self.retract(rid)]
+
+
+def _by_medium(blocks: Iterable[tuple[int, str]]) -> dict[str, list[int]]:
+    """(hash, medium) pairs -> hashes per medium (one SADD/SREM batch each)."""
+    out: dict[str, list[int]] = {}
+    for h, medium in blocks:
+        out.setdefault(medium, []).append(h)
+    return out

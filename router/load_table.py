@@ -23,6 +23,15 @@ log = logging.getLogger("prefixgate.router")
 REFRESH_CHUNK = 32  # replicas per pipelined round trip of a load-table refresh
 _FIELDS = tuple(f.encode() for f in LOAD_FIELDS)
 
+# The rates a policy's `calibrate` takes (keyword -> the heartbeat field replicas measure it in)
+MEASURED_RATES = {
+    "bytes_per_s": "kv_pull_bytes_per_s",
+    "prefill_tokens_per_s": "prefill_tokens_per_s",
+    "kv_bytes_per_token": "kv_bytes_per_token",
+    "host_bytes_per_s": "kv_host_bytes_per_s",
+    "disk_bytes_per_s": "kv_disk_bytes_per_s",
+}
+
 
 class LoadTable:
     def __init__(self, index: RedisIndex, refresh_s: float = 0.1, max_age_s: float = 3.0, seed: int | None = None) -> None:
@@ -86,6 +95,10 @@ class LoadTable:
         """The fleet's figure for a rate the replicas measure (heartbeat field, e.g.
         kv_pull_bytes_per_s): the median over the replicas that report one, None if none does."""
         return fleet_rate([v.get(field) for v in self._loads.values()])
+
+    def rates(self) -> dict[str, float | None]:
+        """Every measured rate, as `calibrate` keywords (None: no replica measured it yet)."""
+        return {name: self.measured(field) for name, field in MEASURED_RATES.items()}
 
     def pessimistic(self) -> dict[str, int]:
         """Load to assume for a replica whose heartbeat is missing: as busy as the busiest known

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import xxhash
 
 from router import registry
+from router.protocol.media import DISK, HOST
 from router.registry import register_policy
 from router.transfer_model import TransferModel
 
@@ -24,6 +25,10 @@ class ReplicaView:
 
     replica_id: str
     matched_blocks: int = 0  # leading blocks of THIS request that the replica holds (from the index)
+    # of matched_blocks, those in its host / disk tier (copied back into the pool before the
+    # prefill); the rest, the head of the match, are in its device pool
+    host_blocks: int = 0
+    disk_blocks: int = 0
     running: int = 0  # requests decoding/prefilling on it
     waiting: int = 0  # requests queued on it
     pending_prefill_tokens: int = 0  # prompt tokens admitted or queued but not yet computed
@@ -32,6 +37,12 @@ class ReplicaView:
     capacity_blocks: int = 0
     kv_pull: bool = True  # it exports and imports K/V: a pull may name it (false for vLLM replicas)
 
+    @property
+    def device_blocks(self) -> int:
+        """Leading blocks of the match in the device pool (lower tiers hold the match's end: a
+        replica evicts a sequence's tail first)."""
+        return max(self.matched_blocks - self.host_blocks - self.disk_blocks, 0)
+
 
 @dataclass
 class RouteRequest:
@@ -39,7 +50,7 @@ class RouteRequest:
     num_prompt_tokens: int
     block_size: int
     session_id: str | None = None
-    # deepest leading-block match anywhere among the scored replicas: what a pull could fetch
+    # deepest leading-block match in a scored replica's device pool: what a pull could fetch
     # (set by pull-aware policies when they decide, read when they commit)
     fleet_matched: int = 0
 
@@ -126,10 +137,18 @@ class AffinityPolicy(Policy):
     this request would see on the replica, with misses priced higher):
 
         cost(r) = miss_weight * uncached(r)                  # prefill this request pays there
+                + tiers(r)                                   # lower-tier hits copied back
                 + pending_prefill_tokens(r)                  # queue ahead of it
                 + decode_weight * (running(r) + waiting(r))  # decode steps interleave with
                                                              # prefill chunks and slow it down
         uncached(r) = num_prompt_tokens - matched_blocks(r) * block_size
+        tiers(r) = transfer.tier_tokens_equiv(host, host_blocks(r) * block_size)
+                 + transfer.tier_tokens_equiv(disk, disk_blocks(r) * block_size)
+
+    A hit in the device pool is free; one in the replica's host or disk tier costs its copy
+    back into the pool (`TransferModel.tier_s`, at rates `calibrate` sets from the fleet's
+    measurements), which at GPU-like rates is a small fraction of recomputing it, so a
+    lower-tier hit still beats a miss and loses to a pool hit.
 
     A replica holding the prefix wins while its queue is shorter than the (weighted) prefill it
     saves; past that an idle replica is cheaper, so a hot prefix spreads over as many replicas
@@ -167,8 +186,10 @@ class AffinityPolicy(Policy):
         session_margin: float = 0.25,
         balance_tolerance: float = 0.5,
         balance_memory: float = 64.0,
+        transfer: TransferModel | None = None,
     ) -> None:
         super().__init__(seed=seed)
+        self.transfer = transfer or TransferModel()
         self.miss_weight = miss_weight
         self.decode_weight = decode_weight
         self.session_slack = session_slack
@@ -187,13 +208,34 @@ class AffinityPolicy(Policy):
             self._growth = 1.0
         self._recent[replica_id] = self._recent.get(replica_id, 0.0) + tokens * self._growth
 
-    def cost(self, request: RouteRequest, v: ReplicaView) -> float:
-        uncached = max(request.num_prompt_tokens - v.matched_blocks * request.block_size, 0)
-        return (
-            self.miss_weight * uncached
-            + v.pending_prefill_tokens
-            + self.decode_weight * _queued(v)
+    def calibrate(
+        self,
+        bytes_per_s: float | None = None,
+        prefill_tokens_per_s: float | None = None,
+        kv_bytes_per_token: float | None = None,
+        host_bytes_per_s: float | None = None,
+        disk_bytes_per_s: float | None = None,
+    ) -> None:
+        """Price copies (pulls, lower-tier hits) with measured rates (None keeps the current)."""
+        self.transfer = self.transfer.calibrated(
+            bytes_per_s, prefill_tokens_per_s, kv_bytes_per_token, host_bytes_per_s, disk_bytes_per_s
         )
+
+    def tier_cost(self, request: RouteRequest, v: ReplicaView) -> float:
+        """Copying the match's lower-tier blocks back into `v`'s pool, in prefill-token
+        equivalents (device hits are free)."""
+        bs = request.block_size
+        return (self.transfer.tier_tokens_equiv(HOST, v.host_blocks * bs)
+                + self.transfer.tier_tokens_equiv(DISK, v.disk_blocks * bs))
+
+    def prefix_cost(self, request: RouteRequest, v: ReplicaView) -> float:
+        """The prompt's prefix on `v` from its own cache: misses recomputed, lower-tier hits
+        copied back."""
+        uncached = max(request.num_prompt_tokens - v.matched_blocks * request.block_size, 0)
+        return self.miss_weight * uncached + self.tier_cost(request, v)
+
+    def cost(self, request: RouteRequest, v: ReplicaView) -> float:
+        return self.prefix_cost(request, v) + v.pending_prefill_tokens + self.decode_weight * _queued(v)
 
     def commit(self, request, replica_id, matched_blocks, fleet_size):
         uncached = request.num_prompt_tokens - matched_blocks * request.block_size
@@ -231,9 +273,11 @@ class AffinityPullPolicy(AffinityPolicy):
     Each replica gets the cheaper of two ways to obtain the prompt's leading blocks it lacks:
       recompute: miss_weight * uncached_local                      (as affinity)
       pull:      transfer(pulled) + copy_weight * pulled + miss_weight * uncached_after_pull
-    `pulled` = tokens of the blocks between the replica's own match and the deepest holder's
-    among the scored replicas (the source), offered only where moving them is faster than
-    computing them (`TransferModel.pays`); transfer() is the `TransferModel`'s pull time in
+    both plus affinity's `tiers` term for the replica's own lower-tier hits. `pulled` = tokens
+    of the blocks between the replica's own match and the deepest match held in a scored
+    replica's device pool (the source: a replica exports from its pool only, so what it holds
+    only in a lower tier is never priced as pullable), offered only where moving them is
+    faster than computing them (`TransferModel.pays`); transfer() is the `TransferModel`'s pull time in
     prefill-token equivalents (fixed cost + bytes / measured rate, times the measured prefill
     rate). The queue terms are affinity's, so each replica is priced with the option it would
     use, in affinity's unit (prefill-token equivalents: time to first token, misses priced
@@ -262,42 +306,34 @@ class AffinityPullPolicy(AffinityPolicy):
         miss_weight: float = 8.0,
         **affinity_options: float,
     ) -> None:
-        super().__init__(seed=seed, miss_weight=miss_weight, **affinity_options)
-        self.transfer = transfer or TransferModel()
+        super().__init__(seed=seed, miss_weight=miss_weight, transfer=transfer, **affinity_options)
         self.copy_weight = copy_weight
         self._pulls: dict[str, int] = {}  # replica -> pull depth of the last _costs call
         self._source_id: str | None = None  # the pull source of the last _costs call
 
-    def calibrate(
-        self,
-        bytes_per_s: float | None = None,
-        prefill_tokens_per_s: float | None = None,
-        kv_bytes_per_token: float | None = None,
-    ) -> None:
-        """Price pulls with measured rates (None keeps the current figure)."""
-        self.transfer = self.transfer.calibrated(bytes_per_s, prefill_tokens_per_s, kv_bytes_per_token)
-
     @staticmethod
     def source(replicas: list[ReplicaView]) -> ReplicaView | None:
-        """The deepest holder of the prompt's leading blocks (ties: the least busy)."""
-        best = max((v for v in replicas if v.kv_pull), key=lambda v: (v.matched_blocks, -_queued(v)), default=None)
-        return best if best is not None and best.matched_blocks > 0 else None
+        """The deepest holder of the prompt's leading blocks in its device pool, what an export
+        reads (ties: the least busy)."""
+        best = max((v for v in replicas if v.kv_pull), key=lambda v: (v.device_blocks, -_queued(v)), default=None)
+        return best if best is not None and best.device_blocks > 0 else None
 
     def option(self, request: RouteRequest, v: ReplicaView, source: ReplicaView | None) -> tuple[float, int]:
         """(prefix cost in prefill-token equivalents, pull depth or 0 for recompute) on `v`."""
         bs = request.block_size
         tokens = request.num_prompt_tokens
-        recompute = self.miss_weight * max(tokens - v.matched_blocks * bs, 0)
+        recompute = self.prefix_cost(request, v)
         if source is None or source.replica_id == v.replica_id or not v.kv_pull:
             return recompute, 0
-        depth = min(source.matched_blocks, max(tokens - 1, 0) // bs)  # one token is always computed
+        depth = min(source.device_blocks, max(tokens - 1, 0) // bs)  # one token is always computed
         if depth <= v.matched_blocks:
             return recompute, 0
         pulled = (depth - v.matched_blocks) * bs
         if not self.transfer.pays(pulled):  # slower than computing them here: never offered
             return recompute, 0
         pull = (
-            self.transfer.pull_tokens_equiv(pulled)
+            self.tier_cost(request, v)  # its own lower-tier hits are still copied up
+            + self.transfer.pull_tokens_equiv(pulled)
             + self.copy_weight * pulled
             + self.miss_weight * max(tokens - depth * bs, 0)
         )
@@ -305,7 +341,7 @@ class AffinityPullPolicy(AffinityPolicy):
 
     def _costs(self, request, replicas):
         source = self.source(replicas)
-        request.fleet_matched = source.matched_blocks if source is not None else 0
+        request.fleet_matched = source.device_blocks if source is not None else 0
         costs: dict[str, float] = {}
         self._pulls = {}
         for v in replicas:

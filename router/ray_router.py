@@ -79,7 +79,7 @@ class PrefixGateRouter(RequestRouter):
         )
         self._decisions: OrderedDict[str, Routed] = OrderedDict()
         self.routed = 0  # requests Ray reported as routed (on_request_routed)
-        self._calibrated_at = -1  # load-table refresh the policy's pull prices were last set from
+        self._calibrated_at = -1  # load-table refresh the policy's copy prices were last set from
 
     def _hashes(self, req: GenerateRequest) -> list[int]:
         seed = self._seeds.get(req.cache_salt)
@@ -129,17 +129,14 @@ class PrefixGateRouter(RequestRouter):
         return self._ranks(routed, candidate_replicas, by_id)
 
     def _calibrate(self) -> None:
-        """Price pulls (affinity-pull) with the rates the replicas measured and report in their
-        heartbeats (median over the fleet), once per load-table refresh."""
+        """Price copies (affinity-pull's pulls, the affinity policies' lower-tier hits) with the
+        rates the replicas measured and report in their heartbeats (median over the fleet),
+        once per load-table refresh."""
         calibrate = getattr(self.policy, "calibrate", None)
         if calibrate is None or self.loads is None or self.loads.refreshes == self._calibrated_at:
             return
         self._calibrated_at = self.loads.refreshes
-        calibrate(
-            bytes_per_s=self.loads.measured("kv_pull_bytes_per_s"),
-            prefill_tokens_per_s=self.loads.measured("prefill_tokens_per_s"),
-            kv_bytes_per_token=self.loads.measured("kv_bytes_per_token"),
-        )
+        calibrate(**self.loads.rates())
 
     @staticmethod
     def _ranks(routed: Routed, candidates: list[RunningReplica], by_id: dict[str, RunningReplica]) -> list[list[RunningReplica]]:

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
+from router.protocol.media import DEVICE, split_member
 from router.protocol.redis_schema import (
     DEFAULT_KEY_PREFIX,
     INDEX_BUCKETS,
@@ -53,6 +54,26 @@ class RedisConfig:
 class ReplicaEntry:
     matched_blocks: int
     heartbeat: dict[str, int] = field(default_factory=dict)  # filled by the router's load table
+    # of matched_blocks, how many live in a lower tier (HOST, DISK: copied back into the pool
+    # before the prefill, at a price); empty: all in the device pool
+    tier_blocks: dict[str, int] = field(default_factory=dict)
+
+
+def tier_split(depths: dict[str, int]) -> ReplicaEntry:
+    """A replica's match from the deepest block it was seen holding in each medium.
+
+    Each medium's deepest block ends a run of that medium, which starts where the previous run
+    (by depth) ended: a replica seen in the pool up to block 3 and in the host tier at block 7
+    holds blocks 4-7 in the host tier; one seen only in a lower tier holds its whole match
+    there (pessimistic: a lookup samples holders only where a match ends, so the pool part of a
+    match that ends in a lower tier is seen only where someone else's match ends too)."""
+    tiers: dict[str, int] = {}
+    start = 0
+    for depth, medium in sorted((d, m) for m, d in depths.items()):
+        if medium != DEVICE and depth > start:
+            tiers[medium] = depth - start
+        start = max(start, depth)
+    return ReplicaEntry(start, tier_blocks=tiers)
 
 
 @dataclass
@@ -203,15 +224,19 @@ class RedisIndex:
             cards, samples, session_replica = await self._guard(self._query(client, hashes, session_id))
         matched = self._walk(len(hashes), cards, samples)
         if replica_ids is not None:
-            matched = {rid: matched.get(rid, 0) for rid in replica_ids}
-        return Lookup(session_replica, {rid: ReplicaEntry(n) for rid, n in matched.items()})
+            matched = {rid: matched.get(rid) or ReplicaEntry(0) for rid in replica_ids}
+        return Lookup(session_replica, matched)
 
-    def _walk(self, n: int, cards: dict[int, int], samples: dict[int, list[str]]) -> dict[str, int]:
-        """Leading-block match per sampled replica, at most `keep` replicas, deepest first.
+    def _walk(self, n: int, cards: dict[int, int], samples: dict[int, list[str]]) -> dict[str, ReplicaEntry]:
+        """Leading-block match per sampled replica, at most `keep` replicas, deepest first, with
+        the blocks of it in lower tiers (`tier_split`).
 
         The chain is walked from block 0 up to the first block nobody holds. Holder counts never
-        grow along a chain (holding block i+1 means holding block i), so the holders sampled at
-        block i also hold every block up to the next drop in the count: that is their match."""
+        grow along a chain (holding block i+1 means holding block i, in some medium: a replica
+        is one member per block), so the holders sampled at block i also hold every block up to
+        the next drop in the count: that is their match. Samples are members ("rid" in the
+        pool, "rid|host" in a lower tier); shallower samples of a kept replica tell where its
+        runs of each medium end."""
         depth = 0
         while depth < n and cards.get(depth, 0) != 0:
             depth += 1
@@ -226,16 +251,21 @@ class RedisIndex:
                 j += 1
             if samples.get(i):
                 by_end.setdefault(ends[j], []).extend(samples[i])
-        matched: dict[str, int] = {}
+        depths: dict[str, dict[str, int]] = {}  # replica -> medium -> deepest match seen in it
+        full = False
         for end in reversed(ends):  # deepest first; a replica keeps its deepest match
             taken = 0
-            for rid in by_end.get(end, ()):
-                if rid not in matched and taken < self.config.sample:
-                    matched[rid] = end + 1
+            for value in by_end.get(end, ()):
+                rid, medium = split_member(value)
+                seen = depths.get(rid)
+                if seen is None:
+                    if full or taken >= self.config.sample:
+                        continue
+                    seen = depths[rid] = {}
                     taken += 1
-            if len(matched) >= self.config.keep:
-                break
-        return matched
+                seen.setdefault(medium, end + 1)
+            full = full or len(depths) >= self.config.keep
+        return {rid: tier_split(seen) for rid, seen in depths.items()}
 
     async def _query(self, client: Client, hashes: list[int], session_id: str | None):
         groups = group_by_tag(self.keys, hashes, is_cluster(client))

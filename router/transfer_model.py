@@ -1,18 +1,25 @@
-"""What moving a prefix's K/V between replicas costs, and how the router learns it.
+"""What moving a prefix's K/V costs, between replicas or up from a replica's lower tiers, and
+how the router learns it.
 
 A pull of `t` tokens' K/V takes `fixed_s + t * kv_bytes_per_token / bytes_per_s`; recomputing
-them takes `t / prefill_tokens_per_s`. Pulling pays while the per-token transfer time is below
-the per-token prefill time, i.e. while `bytes_per_s > kv_bytes_per_token * prefill_tokens_per_s`
-(2.29 GB/s for the defaults below), and for prefixes long enough to amortise `fixed_s`.
+them takes `t / prefill_tokens_per_s`; bringing them back into the device pool from the
+replica's host or disk tier takes `t * kv_bytes_per_token / host_bytes_per_s` (or
+`disk_bytes_per_s`), and a hit in the pool itself costs nothing. Pulling pays while the
+per-token transfer time is below the per-token prefill time, i.e. while
+`bytes_per_s > kv_bytes_per_token * prefill_tokens_per_s` (2.29 GB/s for the defaults below),
+and for prefixes long enough to amortise `fixed_s`.
 
 Defaults are GPU-like, not this CPU's: a 70B-class model with grouped-query attention
 (80 layers x 2 x 8 KV heads x 128 x 2 bytes = 320 KB per token), 25 GB/s between replicas
 (a 200 Gb/s NIC class link, or NVLink through a copy engine), 7k prompt tokens/s of prefill
-(the simulator's service model, router/sim/service.py).
+(the simulator's service model, router/sim/service.py), a host tier over PCIe (25 GB/s: pinned
+host memory to the GPU over PCIe 4.0 x16; 5.0 doubles it) and a disk tier on local NVMe
+(4 GB/s: one PCIe 4.0 drive's sequential read).
 
 Live, the rates are measured, not assumed: each replica keeps a moving average of the bytes/s
-its pulls achieved and the prompt tokens/s its prefills achieved (replica/kv_pull.py) and
-reports them, with its K/V bytes per token, in its heartbeat; the router folds the fleet's
+its pulls achieved and the prompt tokens/s its prefills achieved (replica/kv_pull.py), and
+of its copies from each tier back into the pool (replica/kv_tiers.py), and reports them, with
+its K/V bytes per token, in its heartbeat; the router folds the fleet's
 reports (`fleet_rate`) into the model the policy prices with (`TransferModel.calibrated`).
 """
 
@@ -21,23 +28,30 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
+from router.protocol.media import DEVICE, DISK, HOST
+
 KV_BYTES_70B = 320_000  # K/V bytes per token of a 70B-class GQA model in bf16
 GPU_LINK_BYTES_S = 25e9  # between two GPU replicas
 GPU_PREFILL_S_PER_TOKEN = 1.4e-4  # prefill of a 70B-class model on one GPU replica (the simulator's ServiceModel)
 GPU_PREFILL_TOKENS_S = 1.0 / GPU_PREFILL_S_PER_TOKEN  # ~7.1k tokens/s
+PCIE_HOST_BYTES_S = 25e9  # host tier -> GPU pool over PCIe
+NVME_DISK_BYTES_S = 4e9  # disk tier (local NVMe) -> GPU pool
 
 
 @dataclass(frozen=True)
 class TransferModel:
-    """Cost of pulling K/V, and of recomputing it, in seconds."""
+    """Cost of pulling K/V, of bringing it back from a lower tier, and of recomputing it, in
+    seconds."""
 
     kv_bytes_per_token: float = KV_BYTES_70B
     bytes_per_s: float = GPU_LINK_BYTES_S
     fixed_s: float = 0.002  # per pull: the request to the holder, pinning, the first byte
     prefill_tokens_per_s: float = GPU_PREFILL_TOKENS_S
+    host_bytes_per_s: float = PCIE_HOST_BYTES_S  # host tier -> device pool
+    disk_bytes_per_s: float = NVME_DISK_BYTES_S  # disk tier -> device pool
 
     def __post_init__(self) -> None:
-        for name in ("kv_bytes_per_token", "bytes_per_s", "prefill_tokens_per_s"):
+        for name in ("kv_bytes_per_token", "bytes_per_s", "prefill_tokens_per_s", "host_bytes_per_s", "disk_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.fixed_s < 0:
@@ -59,6 +73,18 @@ class TransferModel:
         """A pull's time expressed in prompt tokens of prefill (the policy's cost unit)."""
         return self.pull_s(tokens) * self.prefill_tokens_per_s
 
+    def tier_s(self, medium: str, tokens: int) -> float:
+        """Time to bring `tokens` tokens' K/V from `medium` back into the device pool (a hit in
+        the pool itself: 0)."""
+        if medium == DEVICE or tokens <= 0:
+            return 0.0
+        rate = {HOST: self.host_bytes_per_s, DISK: self.disk_bytes_per_s}[medium]
+        return self.pull_bytes(tokens) / rate
+
+    def tier_tokens_equiv(self, medium: str, tokens: int) -> float:
+        """A lower-tier hit's copy time in prompt tokens of prefill (the policy's cost unit)."""
+        return self.tier_s(medium, tokens) * self.prefill_tokens_per_s
+
     def pays(self, tokens: int) -> bool:
         """Pulling `tokens` tokens is faster than recomputing them."""
         return tokens > 0 and self.pull_s(tokens) < self.prefill_s(tokens)
@@ -72,6 +98,8 @@ class TransferModel:
         bytes_per_s: float | None = None,
         prefill_tokens_per_s: float | None = None,
         kv_bytes_per_token: float | None = None,
+        host_bytes_per_s: float | None = None,
+        disk_bytes_per_s: float | None = None,
     ) -> TransferModel:
         """The same model with measured figures substituted (None or <= 0: keep the current).
 
@@ -85,6 +113,8 @@ class TransferModel:
             ("bytes_per_s", bytes_per_s),
             ("prefill_tokens_per_s", prefill_tokens_per_s),
             ("kv_bytes_per_token", kv_bytes_per_token),
+            ("host_bytes_per_s", host_bytes_per_s),
+            ("disk_bytes_per_s", disk_bytes_per_s),
         ):
             if value is not None and value > 0:
                 changes[name] = float(value)

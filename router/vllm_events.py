@@ -8,6 +8,13 @@ event's token ids with our spec, chaining from the parent's re-hashed value (kep
 vLLM hash -> ours), and publishes our hashes for the replica the stream belongs to. Removals
 and clears go through the same map. A heartbeat without load fields keeps the replica alive
 for garbage collection while its load stays *unknown* to routers (vLLM's events carry none).
+
+Each event names its medium ("GPU", or "CPU" for vLLM's offloading connector: the same vLLM
+hash, with no tokens). vLLM may hold a block on the GPU and a CPU copy of it at once, while our
+index lists a replica once per block (router/protocol/media.py): the adapter tracks every
+medium vLLM holds a block in and publishes the fastest, so a GPU eviction of a block with a
+CPU copy becomes a move to the host tier (removed from the pool, stored in the host tier).
+An event in a medium we do not know is counted and skipped.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.index_writer import IndexWriter
+from router.index_writer import Event, IndexWriter
 from router.protocol.events import (
     AllBlocksCleared,
     BlockHash,
@@ -31,6 +38,7 @@ from router.protocol.events import (
     seq_from_bytes,
 )
 from router.protocol.hashing import block_hashes, chain_seed
+from router.protocol.media import DEVICE, MEDIA, UnknownMedium, parse_medium
 from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS, RedisKeys
 from router.redis_index import Client, open_client
 from router.router_options import PUBLISH_DEPTH
@@ -58,18 +66,38 @@ class AdapterConfig:
 @dataclass
 class AdapterStats:
     batches: int = 0
-    stored: int = 0
-    removed: int = 0
+    stored: int = 0  # blocks published as stored (a move to the host tier included)
+    removed: int = 0  # blocks vLLM removed from one of its media
     clears: int = 0
     skipped: int = 0  # stored blocks whose parent was unknown, or of a foreign block size
+    unknown_media: int = 0  # events skipped for a medium we have no tier for
     gaps: int = 0  # sequence numbers missed (a resync from vLLM's replay socket would fill them)
     bad_messages: int = 0
     last_seq: int = -1
     extra: dict = field(default_factory=dict)
 
 
+# (op, [(our hash, position)], medium): "+" stored, "-" removed, "clear" (no blocks)
+_Write = tuple[str, list[tuple[int, int]], str]
+
+
+@dataclass(slots=True)
+class _Block:
+    """One block vLLM holds, under our hash, and every medium it holds it in."""
+
+    ours: int
+    position: int
+    media: set[str] = field(default_factory=set)
+
+    @property
+    def medium(self) -> str | None:
+        """Where the index lists it: the fastest medium holding it (None: nowhere)."""
+        return next((m for m in MEDIA if m in self.media), None)
+
+
 class EventTranslator:
-    """vLLM events -> our ("+"/"-", hashes) writes; pure (no I/O), so it is tested alone too."""
+    """vLLM events -> our ("+"/"-", hashes, medium) writes; pure (no I/O), so it is tested alone
+    too."""
 
     def __init__(self, model_id: str, block_size: int, depth: int, cache_salt: str | None = None) -> None:
         self.model_id = model_id
@@ -78,12 +106,14 @@ class EventTranslator:
         self.cache_salt = cache_salt  # the salt of prompts whose events carry none
         self.seed = chain_seed(model_id, cache_salt)
         self._seeds: dict[str | None, int] = {cache_salt: self.seed}
-        self._ours: dict[BlockHash, tuple[int, int]] = {}  # vLLM hash -> (our hash, block position)
-        self._held: set[int] = set()  # our hashes of what vLLM holds
+        self._blocks: dict[BlockHash, _Block] = {}  # vLLM hash -> ours, position, media
+        self._held: set[int] = set()  # our hashes of what vLLM holds, in any medium
+        self._unknown_seen: set[str | None] = set()  # unknown media already logged
         self.stats = AdapterStats()
 
     def leading_held(self, hashes: list[int]) -> int:
-        """How many of a prompt's leading blocks (our hashes) vLLM holds now."""
+        """How many of a prompt's leading blocks (our hashes) vLLM holds now, in any medium
+        (a CPU copy is loaded, not computed)."""
         n = 0
         for h in hashes:
             if h not in self._held:
@@ -91,10 +121,10 @@ class EventTranslator:
             n += 1
         return n
 
-    def held(self) -> list[tuple[int, int]]:
-        """(our hash, position) of every block vLLM holds now, as far as its events told: what a
-        publisher's full resync writes."""
-        return [(h, pos) for h, pos in self._ours.values() if pos < self.depth]
+    def held(self) -> list[tuple[int, int, str]]:
+        """(our hash, position, medium) of every block vLLM holds now, as far as its events told:
+        what a publisher's full resync writes."""
+        return [(b.ours, b.position, b.medium) for b in self._blocks.values() if b.position < self.depth]
 
     def chain_root(self, salt: str | None) -> int:
         if salt is None:
@@ -103,70 +133,107 @@ class EventTranslator:
             self._seeds[salt] = chain_seed(self.model_id, salt)
         return self._seeds[salt]
 
-    def translate(self, batch: KVEventBatch) -> list[tuple[str, list[int]]]:
-        """Writes for one batch, in order; ("clear", []) for AllBlocksCleared."""
-        return [(op, [h for h, _ in blocks]) for op, blocks in self._writes(batch)]
+    def translate(self, batch: KVEventBatch) -> list[Event]:
+        """Writes for one batch, in order; ("clear", [], DEVICE) for AllBlocksCleared."""
+        return [(op, [h for h, _ in blocks], medium) for op, blocks, medium in self._writes(batch)]
 
     def feed(self, batch: KVEventBatch, listeners: list) -> None:
         """One batch into KVEventListeners (replica/block_manager.py), e.g. a replica's own
         BlockPublisher: the vLLM backend publishes through the same path as our engine."""
-        for op, blocks in self._writes(batch):
+        for op, blocks, medium in self._writes(batch):
             for listener in listeners:
                 if op == "+":
-                    listener.stored([h for h, _ in blocks], [p for _, p in blocks])
+                    listener.stored([h for h, _ in blocks], [p for _, p in blocks], medium=medium)
                 elif op == "-":
-                    listener.removed([h for h, _ in blocks])
+                    listener.removed([h for h, _ in blocks], medium=medium)
                 else:
                     listener.cleared()
 
-    def _writes(self, batch: KVEventBatch) -> list[tuple[str, list[tuple[int, int]]]]:
-        out: list[tuple[str, list[tuple[int, int]]]] = []
+    def _writes(self, batch: KVEventBatch) -> list[_Write]:
+        out: list[_Write] = []
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                ours = self._stored(event)
-                if ours:
-                    out.append(("+", ours))
-            elif isinstance(event, BlockRemoved):
-                ours = [self._ours.pop(h) for h in event.block_hashes if h in self._ours]
-                self._held.difference_update(h for h, _ in ours)
-                self.stats.removed += len(ours)
-                if ours:
-                    out.append(("-", ours))
-            elif isinstance(event, AllBlocksCleared):
-                self._ours.clear()
+            if isinstance(event, AllBlocksCleared):
+                self._blocks.clear()
                 self._held.clear()
                 self.stats.clears += 1
-                out.append(("clear", []))
+                out.append(("clear", [], DEVICE))
+                continue
+            medium = self._medium(event.medium)
+            if medium is None:
+                continue
+            if isinstance(event, BlockStored):
+                if any(h not in self._blocks for h in event.block_hashes):
+                    self._register(event)
+                out += self._move(event.block_hashes, medium, stored=True)
+            elif isinstance(event, BlockRemoved):
+                out += self._move(event.block_hashes, medium, stored=False)
         return out
+
+    def _medium(self, raw: str | None) -> str | None:
+        """Our medium for an event's, or None (counted, logged once per name) if we have none."""
+        try:
+            return parse_medium(raw)
+        except UnknownMedium as e:
+            self.stats.unknown_media += 1
+            if raw not in self._unknown_seen:
+                self._unknown_seen.add(raw)
+                log.warning("skipping KV events: %s", e)
+            return None
 
     @property
     def num_held(self) -> int:
-        """Blocks vLLM's prefix cache holds, as its events told."""
-        return len(self._ours)
+        """Blocks vLLM's prefix cache holds (in any medium), as its events told."""
+        return len(self._blocks)
 
-    def _stored(self, event: BlockStored) -> list[tuple[int, int]]:
+    def _register(self, event: BlockStored) -> None:
+        """Our hashes for the event's blocks we do not know yet, re-hashed from its tokens."""
         n = len(event.block_hashes)
+        unknown = sum(h not in self._blocks for h in event.block_hashes)
         if event.block_size != self.block_size or len(event.token_ids) < n * self.block_size:
-            self.stats.skipped += n
-            return []
+            self.stats.skipped += unknown  # e.g. a CPU copy of a block we never saw stored
+            return
         if event.parent_block_hash is None:  # a tenant's prompt starts from its own salted root
             parent, position = self.chain_root(event.cache_salt()), 0
-        elif event.parent_block_hash in self._ours:
-            parent, parent_pos = self._ours[event.parent_block_hash]
-            position = parent_pos + 1
+        elif event.parent_block_hash in self._blocks:
+            parent_block = self._blocks[event.parent_block_hash]
+            parent, position = parent_block.ours, parent_block.position + 1
         else:  # we never saw the parent (joined mid-stream): its chain cannot be rebuilt
-            self.stats.skipped += n
-            return []
+            self.stats.skipped += unknown
+            return
         # the event carries only the new blocks' tokens: chain them from the parent's hash
         ours = block_hashes(event.token_ids[: n * self.block_size], self.block_size, self.seed, 0, parent)
-        published = []
         for i, (theirs, mine) in enumerate(zip(event.block_hashes, ours, strict=True)):
-            self._ours[theirs] = (mine, position + i)
-            self._held.add(mine)
-            if position + i < self.depth:
-                published.append((mine, position + i))
-        self.stats.stored += len(published)
-        return published
+            self._blocks.setdefault(theirs, _Block(mine, position + i))
+
+    def _move(self, hashes: list[BlockHash], medium: str, stored: bool) -> list[_Write]:
+        """The blocks enter (`stored`) or leave `medium`; writes for those whose fastest medium
+        changed: removals from the old one first, then stores in the new one."""
+        removed: dict[str, list[tuple[int, int]]] = {}
+        added: dict[str, list[tuple[int, int]]] = {}
+        for h in hashes:
+            block = self._blocks.get(h)
+            if block is None or (not stored and medium not in block.media):
+                continue
+            before = block.medium
+            if stored:
+                block.media.add(medium)
+            else:
+                block.media.discard(medium)
+                self.stats.removed += 1
+            after = block.medium
+            if after is None:
+                del self._blocks[h]
+                self._held.discard(block.ours)
+            else:
+                self._held.add(block.ours)
+            if before == after or block.position >= self.depth:
+                continue
+            if before is not None:
+                removed.setdefault(before, []).append((block.ours, block.position))
+            if after is not None:
+                added.setdefault(after, []).append((block.ours, block.position))
+                self.stats.stored += 1
+        return [("-", b, m) for m, b in removed.items()] + [("+", b, m) for m, b in added.items()]
 
 
 class VllmEventAdapter:
@@ -238,15 +305,15 @@ class VllmEventAdapter:
         self.stats.batches += 1
         writes = self.translator.translate(batch)
         rid = self.config.replica_id
-        pending: list[tuple[str, list[int]]] = []
-        for op, hashes in writes:
+        pending: list[Event] = []
+        for op, hashes, medium in writes:
             if op == "clear":
                 if pending:
                     await writer.apply(rid, pending)
                     pending = []
                 await writer.replace(rid, [])
             else:
-                pending.append((op, hashes))
+                pending.append((op, hashes, medium))
         if pending:
             await writer.apply(rid, pending)
 

@@ -97,3 +97,22 @@ def test_cache_blind_baselines_see_the_whole_fleet():
     for _ in range(400):
         seen.add(_score(random_decider, ids, Lookup(None)).decision.replica_id)
     assert len(seen) > 100  # uniform over 200, not over a handful of sampled ones
+
+
+def test_the_lookups_tier_split_reaches_the_policy():
+    """A match the index reports partly in a lower tier is scored with its copy cost: between
+    two idle replicas holding the same 16 blocks, the one holding them in its pool wins."""
+    from router.policy import AffinityPolicy
+
+    class Recording(AffinityPolicy):
+        def decide(self, request, replicas, session_replica=None):
+            self.seen = {v.replica_id: v for v in replicas}
+            return super().decide(request, replicas, session_replica)
+
+    policy = Recording(seed=0)
+    decider = Decider(policy, _table({"pool": _load(), "tiers": _load()}), InflightPrefixes(3.0), sampled=4)
+    look = Lookup(None, {"tiers": ReplicaEntry(16, tier_blocks={"host": 10, "disk": 2}), "pool": ReplicaEntry(16)})
+    routed = _score(decider, ["pool", "tiers"], look)
+    assert routed.decision.replica_id == "pool" and routed.ranked == ["pool", "tiers"]
+    tiers = policy.seen["tiers"]
+    assert (tiers.matched_blocks, tiers.host_blocks, tiers.disk_blocks, tiers.device_blocks) == (16, 10, 2, 4)

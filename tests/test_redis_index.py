@@ -14,6 +14,7 @@ from replica.block_manager import BlockManager, BlockTable
 from replica.publisher import BlockPublisher, PublisherConfig
 from router.load_table import LoadTable
 from router.protocol.hashing import block_hashes
+from router.protocol.media import DEVICE
 from router.protocol.redis_schema import RedisKeys
 from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
@@ -34,7 +35,7 @@ class FakeReplica:
 
     def _snapshot(self):
         self.publisher.reset_events()
-        return self.bm.cached_hashes()
+        return self.bm.held_blocks()
 
     def _load(self):
         return {"running": len(self.tables), "waiting": 0, "pending_prefill_tokens": 0,
@@ -258,7 +259,7 @@ def test_routers_share_what_they_just_sent(redis_url, prefix):
         b = RedisIndex(RedisConfig(redis_url, prefix, timeout_s=2.0))
         try:
             hashes = block_hashes(list(range(40)), BS, 0)  # 10 blocks
-            await IndexWriter(await a._open_guarded(), a.keys).apply("ra", [("+", hashes[:3])])
+            await IndexWriter(await a._open_guarded(), a.keys).apply("ra", [("+", hashes[:3], DEVICE)])
             await b.lookup(hashes)  # router B connected (a first connection can take a while)
             await a.mark_inflight(hashes[3:], "rx", ttl_ms=1500)
             look = await b.lookup(hashes)

@@ -22,6 +22,7 @@ import zmq
 from gateway.local_redis import free_port
 from router.protocol.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from router.protocol.hashing import block_hashes, chain_seed
+from router.protocol.media import DEVICE
 from router.redis_index import RedisConfig, RedisIndex
 from router.vllm_events import AdapterConfig, EventTranslator, VllmEventAdapter
 
@@ -62,7 +63,7 @@ def test_map_shaped_events_of_vllm_0_32_decode_with_the_tenant_salt():
     t = EventTranslator(MODEL, BS, depth=64)
     writes = t.translate(batch)
     salted = block_hashes(tokens, BS, chain_seed(MODEL, "tenant-a"))
-    assert writes == [("+", salted), ("-", salted[1:]), ("clear", [])]
+    assert writes == [("+", salted, DEVICE), ("-", salted[1:], DEVICE), ("clear", [], DEVICE)]
     assert salted != block_hashes(tokens, BS, chain_seed(MODEL))
 
 
@@ -74,10 +75,10 @@ def test_translator_rehashes_with_our_spec_and_skips_orphans():
     ours = block_hashes(tokens, BS, chain_seed(MODEL))
     a, b = random.getrandbits(63), random.getrandbits(63)
     writes = t.translate(decode_batch(vllm_payload(0.0, [stored([a, 1, 2], None, tokens[:12]), stored([b], 2, tokens[12:])])))
-    assert writes == [("+", ours[:3]), ("+", ours[3:])]
+    assert writes == [("+", ours[:3], DEVICE), ("+", ours[3:], DEVICE)]
     orphan = t.translate(decode_batch(vllm_payload(0.0, [stored([9], 12345, [1, 2, 3, 4])])))
     assert orphan == [] and t.stats.skipped == 1
-    assert t.translate(decode_batch(vllm_payload(0.0, [["BlockRemoved", [b], None]]))) == [("-", ours[3:])]
+    assert t.translate(decode_batch(vllm_payload(0.0, [["BlockRemoved", [b], None]]))) == [("-", ours[3:], DEVICE)]
 
 
 def test_vllm_stream_feeds_the_index(redis_url):

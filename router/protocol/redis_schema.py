@@ -1,11 +1,14 @@
 """Where everything lives in Redis, and the one script the router runs. One prefix per
 deployment, so several deployments can share a Redis (standalone or Cluster).
 
-  {p:bK}:blk:{hash}     SET   replica ids holding this block (the inverted index). K = hash mod
-                              `buckets`: the hash tag spreads blocks over the cluster's slots
+  {p:bK}:blk:{hash}     SET   holders of this block (the inverted index): "rid" when it is in the
+                              replica's device pool, "rid|host" / "rid|disk" in a lower tier
+                              (router/protocol/media.py `member`; one member per replica). K =
+                              hash mod `buckets`: the hash tag spreads blocks over the cluster's slots
   {p:bK}:fl:{hash}      STR   replica a router just sent this block's prompt to, before any
                               replica has computed it (in flight); a few seconds' TTL
-  {p}:blocks:{rid}      SET   block hashes (decimal) one replica holds: resync and clean-up
+  {p}:blocks:{rid}      SET   blocks one replica holds, "hash" (decimal) or "hash|host" /
+                              "hash|disk" (media.py `entry`): resync and clean-up
   {p}:hb:{rid}          HASH  a live replica's Heartbeat (load and process facts); short TTL
   {p}:replicas          SET   replica ids that have registered (for garbage collection)
   {p}:gc-lease          STR   holder of this period's garbage collection (SET NX PX)
@@ -144,8 +147,11 @@ class RedisKeys:
 # cannot be hit), and holders sampled only where that number drops (or at the last pair): since
 # a replica holding block i+1 holds block i too, a drop is where some replicas' match ends, and
 # the holders there match at least that deep. A block nobody holds yet but a router just sent
-# counts as -1 (one holder, in flight: sampled as the replica it went to). SCARD and GET are O(1) and SRANDMEMBER with a small
-# count O(count): the cost depends on the prompt's length, never on the number of replicas.
+# counts as -1 (one holder, in flight: sampled as the replica it went to). Holders are members
+# ("rid" or "rid|host"), one per replica in whichever medium holds the block, so the counts mix
+# media and the router decodes the samples (router/redis_index.py). SCARD and GET are O(1) and
+# SRANDMEMBER with a small count O(count): the cost depends on the prompt's length, never on the
+# number of replicas.
 LOOKUP_SCRIPT = """
 local k = tonumber(ARGV[1])
 local cards = {}

@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 
 from router.memory_index import InMemoryIndex
-from router.redis_index import Lookup, RedisConfig, RedisIndex, ReplicaEntry
+from router.redis_index import Lookup, RedisConfig, RedisIndex
 
 
 class SimIndex:
@@ -63,7 +63,7 @@ class SimIndex:
             else:
                 samples[i] = []
         matched = self._walker._walk(len(hashes), cards, samples)
-        return Lookup(self.session(session_id), {rid: ReplicaEntry(m) for rid, m in matched.items()})
+        return Lookup(self.session(session_id), matched)
 
     def session(self, session_id: str | None) -> str | None:
         entry = self._sessions.get(session_id) if session_id else None
