@@ -89,7 +89,7 @@ def stack(redis_server):
     config = AppConfig(
         redis_url=redis_server.url, key_prefix=f"test-{uuid.uuid4().hex[:6]}", replicas=2,
         kv_cache_mb=64, max_model_len=2048, default_max_tokens=32,
-        kv_host_mb=32,  # a host K/V tier below each pool: tests/test_kv_tiers.py, the tier metrics
+        kv_host_mb=128,  # a host K/V tier (2x the pool) below each pool: tests/test_kv_tiers.py, the tier metrics
         stall_timeout_s=10,  # tests/test_faults.py freezes a replica: wait 10 s for it, not 30
     )
     s = LocalStack(config, port=free_port(), metrics_port=free_port()).start()  # metrics: tests/test_metrics.py

@@ -41,9 +41,10 @@ def test_prefix_evicted_to_host_is_published_routed_and_hit(stack):
         return r
 
     question = [{"role": "system", "content": system}, {"role": "user", "content": "When do you open?"}]
+    before = {rid: set(_entries(client, keys, rid)) for rid in client.smembers(keys.replicas)}
     first = ask(question)
     home = first.headers["x-prefixgate-replica"]
-    before = set(_entries(client, keys, home))
+    before = before.get(home, set())
     # the prompt's blocks, as the replica published them (the first one: the system prompt's head)
     ours = _wait("the prompt's blocks never reached the index",
                  lambda: {h for h, m in _entries(client, keys, home).items() if m == DEVICE} - before or None)
@@ -61,7 +62,8 @@ def test_prefix_evicted_to_host_is_published_routed_and_hit(stack):
     # the same prefix again, from a new session: routed to the replica whose host tier has it
     again = ask(question[:1] + [{"role": "user", "content": "And on Sundays?"}], session=f"tiers-new-{tag}")
     assert again.headers["x-prefixgate-replica"] == home
-    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * len(moved)
+    # the system prompt alone is 121 tokens: at least 7 full blocks, served from the host tier
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 7
     beat = _wait("the heartbeat never reported a measured host copy rate",
                  lambda: (b := client.hgetall(keys.heartbeat(home))) and int(b.get("kv_host_bytes_per_s", 0)) > 0 and b)
     assert int(beat["host_capacity_blocks"]) > 0
