@@ -208,18 +208,10 @@ class AffinityPolicy(Policy):
             self._growth = 1.0
         self._recent[replica_id] = self._recent.get(replica_id, 0.0) + tokens * self._growth
 
-    def calibrate(
-        self,
-        bytes_per_s: float | None = None,
-        prefill_tokens_per_s: float | None = None,
-        kv_bytes_per_token: float | None = None,
-        host_bytes_per_s: float | None = None,
-        disk_bytes_per_s: float | None = None,
-    ) -> None:
-        """Price copies (pulls, lower-tier hits) with measured rates (None keeps the current)."""
-        self.transfer = self.transfer.calibrated(
-            bytes_per_s, prefill_tokens_per_s, kv_bytes_per_token, host_bytes_per_s, disk_bytes_per_s
-        )
+    def calibrate(self, **rates: float | None) -> None:
+        """Price copies (pulls, lower-tier hits) with measured rates: TransferModel.calibrated's
+        keywords, None keeping the current figure."""
+        self.transfer = self.transfer.calibrated(**rates)
 
     def tier_cost(self, request: RouteRequest, v: ReplicaView) -> float:
         """Copying the match's lower-tier blocks back into `v`'s pool, in prefill-token

@@ -3,6 +3,7 @@ simulator's pulls. Pure logic and the simulator: no Ray, no Redis, no model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -314,14 +315,11 @@ def test_scaled_transfer_moves_and_computes_a_block_as_at_512_tokens():
 def test_router_prices_pulls_with_the_fleets_measured_rates(redis_server):
     """Heartbeats in a real Redis -> the router's load table -> the fleet's median rates -> the
     policy's transfer model. A replica that has not measured (0) does not count."""
-    import asyncio
     import uuid
 
     import redis as redis_lib
 
-    from router.load_table import LoadTable
     from router.protocol.redis_schema import RedisKeys
-    from router.redis_index import RedisConfig, RedisIndex
 
     prefix = f"pull-{uuid.uuid4().hex[:6]}"
     keys = RedisKeys(prefix)
@@ -331,22 +329,13 @@ def test_router_prices_pulls_with_the_fleets_measured_rates(redis_server):
         r.hset(keys.heartbeat(rid), mapping={"running": 0, "kv_pull_bytes_per_s": int(bps),
                                              "prefill_tokens_per_s": tps, "kv_bytes_per_token": kv})
 
-    async def scenario() -> LoadTable:
-        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.5))
-        loads = LoadTable(index)
-        loads.watch(list(beats))
-        await loads.refresh()
-        await loads.close()
-        await index.close()
-        return loads
-
-    loads = asyncio.run(scenario())
+    loads = loads_from_redis(redis_server.url, prefix, list(beats))
     assert loads.measured("kv_pull_bytes_per_s") == 4e9  # median of 2, 4, 8 (rc measured nothing)
     assert loads.measured("prefill_tokens_per_s") == 1000
     assert loads.measured("no_such_field") is None
     p = AffinityPullPolicy(seed=0)
-    p.calibrate(loads.measured("kv_pull_bytes_per_s"), loads.measured("prefill_tokens_per_s"),
-                loads.measured("kv_bytes_per_token"))
+    p.calibrate(bytes_per_s=loads.measured("kv_pull_bytes_per_s"), prefill_tokens_per_s=loads.measured("prefill_tokens_per_s"),
+                kv_bytes_per_token=loads.measured("kv_bytes_per_token"))
     assert (p.transfer.bytes_per_s, p.transfer.prefill_tokens_per_s, p.transfer.kv_bytes_per_token) == (4e9, 1000, 46_080)
     r.close()
 
@@ -382,3 +371,20 @@ def test_sim_holder_modes_change_only_the_holders_lru():
     assert all(r.pulled_blocks >= 8 for r in results.values())
     with pytest.raises(ValueError, match="pull_holder"):
         run_policy(reqs, make_policy("affinity-pull", seed=0), SimConfig(replicas=2, capacity_blocks=256, pull_holder="x"))
+
+
+def loads_from_redis(url: str, prefix: str, replica_ids: list[str]):
+    """A router's load table after one refresh from these replicas' heartbeats in a real Redis."""
+    from router.load_table import LoadTable
+    from router.redis_index import RedisConfig, RedisIndex
+
+    async def refreshed() -> LoadTable:
+        index = RedisIndex(RedisConfig(url, prefix, timeout_s=0.5))
+        loads = LoadTable(index)
+        loads.watch(replica_ids)
+        await loads.refresh()
+        await loads.close()
+        await index.close()
+        return loads
+
+    return asyncio.run(refreshed())

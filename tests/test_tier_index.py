@@ -14,7 +14,6 @@ import msgpack
 import pytest
 
 from router.index_writer import IndexWriter
-from router.load_table import LoadTable
 from router.memory_index import InMemoryIndex
 from router.policy import AffinityPolicy, AffinityPullPolicy, ReplicaView, RouteRequest
 from router.protocol.events import decode_batch
@@ -37,6 +36,7 @@ from router.sim.index import SimIndex
 from router.sim.sim_router import SimClock
 from router.transfer_model import TransferModel
 from router.vllm_events import AdapterConfig, EventTranslator, VllmEventAdapter
+from tests.test_pull_policy import loads_from_redis
 from tests.test_redis_index import sync_client
 
 BS = 16
@@ -320,16 +320,7 @@ def test_tier_rates_are_calibrated_from_the_fleets_heartbeats(redis_server, pref
         r.hset(keys.heartbeat(rid), mapping={"running": 0, "kv_host_bytes_per_s": int(host),
                                              "kv_disk_bytes_per_s": int(disk), "prefill_tokens_per_s": 1000})
 
-    async def scenario() -> LoadTable:
-        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.5))
-        loads = LoadTable(index)
-        loads.watch(list(beats))
-        await loads.refresh()
-        await loads.close()
-        await index.close()
-        return loads
-
-    rates = asyncio.run(scenario()).rates()
+    rates = loads_from_redis(redis_server.url, prefix, list(beats)).rates()
     assert (rates["host_bytes_per_s"], rates["disk_bytes_per_s"]) == (20e9, 2e9)  # medians of the measured
     assert rates["bytes_per_s"] is None  # nobody measured a pull: the default stays
     p = policy(seed=0)
