@@ -25,8 +25,10 @@ from loadtest.trace_replay import ReplaySettings, replay
 from router.protocol.redis_schema import LOOKUP_TIMEOUT_S
 from router.sim.cli import BASE_REPLICAS, capacity_blocks, make_transfer
 from router.sim.service import ServiceModel
+from router.sim.tiers import TierConfig
 from router.sim.trace import load_rows, scale_rows, scale_service, scale_transfer, split_fitting
 from router.sim.workload import SimRequest, distinct_blocks
+from router.transfer_model import TransferModel
 
 MAX_STEP_LAG = 0.10  # a live run whose replicas fall further behind the model is invalid
 MAX_FALLBACK = 0.02  # nor one whose routers decided this often without the index (Redis lookups
@@ -52,6 +54,11 @@ class FleetSpec:
     max_model_len: int = 4096
     seed: int = 0
     service: ServiceModel = field(default_factory=ServiceModel)
+    # each replica's K/V tiers, as `prefixgate sim` takes them: blocks or a multiple of the pool ("4x")
+    host_blocks: str = "0"
+    disk_blocks: str = "0"
+    host_rate: float = TransferModel.host_bytes_per_s  # bytes/s of a tier hit back into the pool
+    disk_rate: float = TransferModel.disk_bytes_per_s
 
     def load_for(self, replicas: int) -> float:
         return replicas / BASE_REPLICAS if self.load_scale == "auto" else float(self.load_scale)
@@ -64,8 +71,11 @@ def workload(spec: FleetSpec) -> list[SimRequest]:
 def settings_for(spec: FleetSpec, requests: list[SimRequest], replicas: int) -> tuple[RunSettings, list[SimRequest], int]:
     cap = capacity_blocks(spec.capacity, distinct_blocks(requests))
     kept, dropped = split_fitting(requests, cap, spec.block_size, spec.max_model_len)
+    tiers = TierConfig.from_flags(spec.host_blocks, spec.disk_blocks, cap)
+    rates = {"host_bytes_per_s": spec.host_rate, "disk_bytes_per_s": spec.disk_rate}
     s = RunSettings(replicas=replicas, capacity_blocks=cap, block_size=spec.block_size,
-                    load_scale=spec.load_for(replicas), wall_scale=spec.wall_scale, seed=spec.seed)
+                    load_scale=spec.load_for(replicas), wall_scale=spec.wall_scale, seed=spec.seed, tiers=tiers,
+                    transfer=rates)
     return s, kept, dropped
 
 
@@ -133,16 +143,19 @@ def worst_step_lag(heartbeats: list[dict[str, str]]) -> float | None:
 # ---- the runs ------------------------------------------------------------------------------------
 def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key_prefix: str):
     """The Serve app of one live run: sim replicas running the trace's service model converted
-    to the block size (the engine's step budget is its prefill chunk), sped up by the wall scale."""
+    to the block size (the engine's step budget is its prefill chunk), sped up by the wall scale,
+    with the simulator's pull model and K/V tiers."""
     from gateway.config import AppConfig
 
     service = scale_service(spec.service, spec.block_size)
     overrides = {k: v for k, v in dataclasses.asdict(service).items() if k not in ("chunk_tokens", "max_running")}
-    transfer = scale_transfer(make_transfer(spec.service, {}), spec.block_size)  # pulls, as the simulator's
+    transfer = scale_transfer(make_transfer(spec.service, s.transfer), spec.block_size)  # copies, as the simulator's
     return AppConfig(
         engine="sim", sim_service=overrides, time_scale=spec.wall_scale, replicas=s.replicas, policy=policy,
         sim_transfer={"kv_bytes_per_token": transfer.kv_bytes_per_token, "pull_bytes_per_s": transfer.bytes_per_s,
-                      "pull_fixed_s": transfer.fixed_s},
+                      "pull_fixed_s": transfer.fixed_s, "host_blocks": s.tiers.host_blocks,
+                      "disk_blocks": s.tiers.disk_blocks, "kv_host_bytes_per_s": transfer.host_bytes_per_s,
+                      "kv_disk_bytes_per_s": transfer.disk_bytes_per_s},
         redis_url=redis_url, key_prefix=key_prefix, block_size=spec.block_size, num_blocks=s.capacity_blocks,
         max_model_len=spec.max_model_len, max_num_seqs=service.max_running,
         max_num_batched_tokens=service.chunk_tokens, seed=spec.seed, gateways=spec.gateways,

@@ -29,7 +29,7 @@ from loadtest.fleet import (
 )
 from loadtest.fleet_report import FleetResult, RunSettings, format_side_by_side, oracles, sim_result
 from router import registry
-from router.sim.cli import default_trace, parse_overrides
+from router.sim.cli import add_tier_flags, default_trace, parse_overrides
 from router.sim.service import ServiceModel
 
 
@@ -48,6 +48,7 @@ def _rows_args(p: argparse.ArgumentParser) -> None:
                    help="ServiceModel override, stated for 512-token blocks (repeatable)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", type=Path, default=None, help="write the results here")
+    add_tier_flags(p)
 
 
 def _spec(args: argparse.Namespace, replicas: list[int], policies: list[str]) -> FleetSpec:
@@ -56,12 +57,14 @@ def _spec(args: argparse.Namespace, replicas: list[int], policies: list[str]) ->
         policies=policies, capacity=args.capacity, block_size=args.block_size, max_output=args.max_output,
         load_scale=args.load_scale, wall_scale=args.wall_scale, gateways=getattr(args, "gateways", 1),
         seed=args.seed, service=dataclasses.replace(ServiceModel(), **parse_overrides(args.service)),
+        host_blocks=args.host_blocks, disk_blocks=args.disk_blocks, host_rate=args.host_rate, disk_rate=args.disk_rate,
     )
 
 
 def _header(spec: FleetSpec, s: RunSettings, n_rows: int, dropped: int, pooled: float, unbounded: float) -> str:
+    below = f" + host {s.tiers.host_blocks} + disk {s.tiers.disk_blocks}" if s.tiers.blocks else ""
     return (f"== rows {spec.start}..{spec.start + spec.requests - 1} ({n_rows} replayed, {dropped} too large for a "
-            f"replica), {s.replicas} replicas x {s.capacity_blocks} blocks of {s.block_size} tokens, load scale "
+            f"replica), {s.replicas} replicas x {s.capacity_blocks} blocks of {s.block_size} tokens{below}, load scale "
             f"{s.load_scale:g}, time scale {s.wall_scale:g}; pooled-LRU oracle {pooled:.1%}, unbounded {unbounded:.1%}")
 
 

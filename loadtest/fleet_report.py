@@ -20,6 +20,7 @@ from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import percentile, window_imbalance
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
 from router.sim.service import ServiceModel
+from router.sim.tiers import TierConfig
 from router.sim.trace import scale_service, scale_transfer
 from router.sim.workload import SimRequest
 
@@ -35,6 +36,8 @@ class RunSettings:
     wall_scale: float = 1.0  # model time sped up by this in wall time (< 1: slower, lower lag)
     window_s: float = 60.0  # imbalance window, model seconds
     seed: int = 0
+    tiers: TierConfig = field(default_factory=TierConfig)  # each replica's host and disk tiers
+    transfer: dict[str, float] = field(default_factory=dict)  # TransferModel overrides (tier rates)
 
 
 @dataclass
@@ -80,11 +83,13 @@ class FleetResult:
 
 
 def oracles(requests: list[SimRequest], s: RunSettings) -> tuple[float, float]:
-    """(pooled-LRU, unbounded) hit rates over the same prompt blocks."""
+    """(pooled-LRU, unbounded) hit rates over the same prompt blocks; the pooled LRU holds every
+    replica's pool and tiers together."""
     total = sum(len(r.hashes) for r in requests)
     if not total:
         return math.nan, math.nan
-    return (pooled_lru_hits(requests, s.capacity_blocks * s.replicas) / total, unbounded_hits(requests) / total)
+    pooled = pooled_lru_hits(requests, (s.capacity_blocks + s.tiers.blocks) * s.replicas)
+    return pooled / total, unbounded_hits(requests) / total
 
 
 def _error_kind(err: str) -> str:
@@ -141,10 +146,10 @@ def sim_result(policy: str, requests: list[SimRequest], s: RunSettings,
     (the trace's, converted to the block size), exact and instantaneous router state.
     `options`: the policy's constructor arguments (e.g. affinity's miss_weight), for sweeps."""
     service = service or ServiceModel()
-    transfer = scale_transfer(make_transfer(service, {}), s.block_size)
+    transfer = scale_transfer(make_transfer(service, s.transfer), s.block_size)
     config = SimConfig(replicas=s.replicas, capacity_blocks=s.capacity_blocks, block_size=s.block_size,
                        service=scale_service(service, s.block_size),
-                       time_scale=s.load_scale, window_s=s.window_s, transfer=transfer)
+                       time_scale=s.load_scale, window_s=s.window_s, transfer=transfer, tiers=s.tiers)
     name = registry.sim_policy(policy)  # Ray's routers are approximated by ours (docs/policies.md)
     extra = {"transfer": transfer} if "transfer" in inspect.signature(registry.get(name).policy_class).parameters else {}
     r = run_policy(requests, make_policy(name, seed=s.seed, **extra, **(options or {})), config)

@@ -7,7 +7,10 @@ publisher), the Scheduler (chunked prefill, admission, preemption) and the usage
 service model (router/sim/service.py, the one the simulator uses) says that step costs, divided
 by `time_scale`. Output tokens are deterministic fake ids (a hash of the prompt and the position,
 never an end-of-sequence id), so the same prompt gives the same answer, like greedy decoding;
-their text is a printable word per token, no tokenizer needed.
+their text is a printable word per token, no tokenizer needed. With K/V tiers below the pool
+(`host_blocks`, `disk_blocks`) the BlockManager's tier bookkeeping runs as on a real replica
+(no bytes: mover None); the step that admits a prompt with lower-tier hits is charged their
+copy back into the pool at the modelled tier rates (router/sim/tiers.py, as in the simulator).
 
 It imports neither torch nor transformers, so hundreds fit on a few cores. On a busy machine a
 step can take longer than modelled (the sleep wakes late, the step's own Python work, the loop
@@ -28,11 +31,12 @@ import xxhash
 
 from replica.detokenizer import Detokenizer
 from replica.engine_core import EngineCore
-from replica.engine_types import BLOCK_SIZE, MAX_NUM_SEQS, RequestOutput
+from replica.engine_types import BLOCK_SIZE, MAX_NUM_SEQS, RequestOutput, TierUsage
 from replica.scheduler import ScheduledChunk
 from replica.sequence import Sequence
 from router.protocol.sampling import SamplingParams
 from router.sim.service import ServiceModel
+from router.sim.tiers import copy_s, tier_rate
 from router.transfer_model import TransferModel
 
 __all__ = ["SimEngine", "SimEngineConfig", "StepLag", "fake_token_text"]
@@ -57,6 +61,11 @@ class SimEngineConfig:
     kv_bytes_per_token: float = TransferModel.kv_bytes_per_token
     pull_bytes_per_s: float = TransferModel.bytes_per_s
     pull_fixed_s: float = TransferModel.fixed_s
+    # K/V tiers below the pool, per replica in blocks (0: none), and their modelled rates back into it
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    kv_host_bytes_per_s: float = TransferModel.host_bytes_per_s
+    kv_disk_bytes_per_s: float = TransferModel.disk_bytes_per_s
 
     @classmethod
     def for_model_dir(cls, path: str | Path, **kwargs) -> SimEngineConfig:
@@ -78,9 +87,10 @@ class SimEngineConfig:
         return cls(**{**facts, **kwargs})
 
     def transfer_model(self) -> TransferModel:
-        """What a pull costs (unscaled): the simulator's transfer model with these figures."""
+        """What a pull or a tier copy costs (unscaled): the simulator's transfer model with these figures."""
         return TransferModel(self.kv_bytes_per_token, self.pull_bytes_per_s, self.pull_fixed_s,
-                             1.0 / self.service_model().prefill_s_per_token)
+                             1.0 / self.service_model().prefill_s_per_token, self.kv_host_bytes_per_s,
+                             self.kv_disk_bytes_per_s)
 
     def service_model(self) -> ServiceModel:
         """The unscaled service model, with the chunk and batch limits this engine runs."""
@@ -206,7 +216,9 @@ class SimEngine(EngineCore):
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, vocab_size=config.vocab_size, eos_token_ids=set(),
             detokenizer=_WordDetokenizer(), executor=self.sleep,
+            host_blocks=int(config.host_blocks), disk_blocks=int(config.disk_blocks), mover=None,
         )
+
         self.lag = StepLag()
         self._avoid = set(config.eos_token_ids)  # never emitted, so never an end of sequence
         self._digest: dict[str, int] = {}  # request id -> prompt digest (seeds the fake tokens)
@@ -291,16 +303,35 @@ class SimEngine(EngineCore):
         return self.scheduler.has_work or bool(self._pulling)
 
     def modelled_step_s(self, chunks: list[ScheduledChunk], admitted: set[int]) -> float:
-        """Unscaled service time of one step: its decode batch and prefill tokens."""
+        """Unscaled service time of one step: its decode batch and prefill tokens, plus copying
+        back the lower-tier hits of the prompts it admits (the copies run before the forward
+        pass, so the whole step waits for them)."""
         decodes = prefill_tokens = started = 0
+        copy = 0.0
         for c in chunks:
             n = c.end - c.start
             if n == 1 and c.start >= c.seq.num_prompt_tokens:
                 decodes += 1
             else:
                 prefill_tokens += n
-                started += id(c.seq) in admitted
-        return self.service.engine_step_s(decodes, prefill_tokens, started)
+                if id(c.seq) in admitted:
+                    started += 1
+                    copy += copy_s(self.transfer, c.seq.table.promoted, self.config.block_size)
+        return self.service.engine_step_s(decodes, prefill_tokens, started) + copy
+
+    def tier_usage(self) -> dict[str, TierUsage]:
+        """The core's tier figures with the modelled copies: bytes moved (blocks x block bytes)
+        and the modelled rate back into the pool, which the heartbeat reports for the router."""
+        usage = super().tier_usage()
+        tiers = self.blocks.tiers
+        block_bytes = self.transfer.pull_bytes(self.config.block_size)
+        for tier, lower in zip(tiers, [*tiers[1:], None], strict=False):
+            u = usage[tier.medium]
+            u.promotion_bytes_per_s = int(tier_rate(self.transfer, tier.medium))
+            u.bytes_in = int(u.demotions * block_bytes)
+            spilled = lower.stats.demotions if lower is not None else 0  # moved on down
+            u.bytes_out = int((u.promotions + spilled) * block_bytes)
+        return usage
 
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()

@@ -1,6 +1,7 @@
 """`prefixgate sim`: replay a trace through simulated replicas under each policy, print a table.
 
     python -m router.sim.cli --replicas 8 32 --capacity tight ample --json out/sim.json
+    python -m router.sim.cli --replicas 8 --capacity 0.0025 --host-blocks 4x   # a host tier of 4 pools
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-from router.policy import POLICIES, AffinityPolicy, make_policy
+from router.policy import POLICIES, AffinityPolicy, Policy, make_policy
 from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import PolicyResult
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
 from router.sim.replica import HOLDER_MODES
 from router.sim.router_config import SimRouterConfig
 from router.sim.service import ServiceModel
+from router.sim.tiers import TierConfig
 from router.sim.workload import SESSION_MODES, WORKLOADS, SimRequest, distinct_blocks, load_mooncake
 from router.transfer_model import TransferModel
 
@@ -63,6 +65,15 @@ def options_for(policy: str, options: dict[str, float]) -> dict[str, float]:
     if "affinity_options" in accepted:  # passes the rest on to AffinityPolicy
         accepted = {**accepted, **inspect.signature(AffinityPolicy.__init__).parameters}
     return {k: v for k, v in options.items() if k in accepted}
+
+
+def sim_policy(name: str, seed: int, options: dict[str, float], transfer: TransferModel) -> Policy:
+    """A policy as the simulator runs it: its --policy-opt options, and the simulator's transfer
+    model where it prices copies (pulls, tier hits) instead of calibrating from heartbeats."""
+    opts: dict = options_for(name, options)
+    if "transfer" in inspect.signature(POLICIES[name].__init__).parameters:
+        opts["transfer"] = transfer
+    return make_policy(name, seed=seed, **opts)
 
 
 def check_options(options: dict[str, float]) -> None:
@@ -114,6 +125,23 @@ def router_config(args: argparse.Namespace) -> SimRouterConfig:
                            **{name: getattr(args, name) for name in ROUTER_FLAGS})
 
 
+def add_tier_flags(p: argparse.ArgumentParser) -> None:
+    """Each replica's K/V tiers (here and in `prefixgate loadtest fleet`)."""
+    g = p.add_argument_group("K/V tiers", "below each replica's pool, an LRU of its own replica (router/sim/tiers.py)")
+    g.add_argument("--host-blocks", default="0", help="host tier per replica: blocks, or a multiple of the pool ('4x')")
+    g.add_argument("--disk-blocks", default="0", help="disk tier per replica, below the host tier: blocks or '8x'")
+    defaults = TransferModel()
+    g.add_argument("--host-rate", type=float, default=defaults.host_bytes_per_s,
+                   help=f"bytes/s of a host-tier hit back into the pool (default {defaults.host_bytes_per_s:g}, PCIe)")
+    g.add_argument("--disk-rate", type=float, default=defaults.disk_bytes_per_s,
+                   help=f"bytes/s of a disk-tier hit back into the pool (default {defaults.disk_bytes_per_s:g}, NVMe)")
+
+
+def tier_rates(args: argparse.Namespace) -> dict[str, float]:
+    """The tier-rate flags as TransferModel fields (the model prices pulls and tier copies alike)."""
+    return {"host_bytes_per_s": args.host_rate, "disk_bytes_per_s": args.disk_rate}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixgate sim", description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["mooncake", *WORKLOADS], default="mooncake")
@@ -139,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-holder", choices=HOLDER_MODES, default="keep",
                    help="what a pull does to the holder's copy in its LRU: keep its place (default), "
                         "touch (most recent, as the real engine's export today), demote (next to evict)")
+    add_tier_flags(p)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     add_router_flags(p)
     return p
@@ -151,19 +180,26 @@ def load_workload(args: argparse.Namespace) -> list[SimRequest]:
     return reqs[: args.limit] if args.limit else reqs
 
 
+def _ms(seconds: float, any_: bool) -> str:
+    return f"{seconds * 1000:>8.1f}ms" if any_ else f"{'-':>10}"
+
+
 def format_table(rows: list[PolicyResult]) -> str:
-    """One line per policy; `hit` counts pulled blocks, `pulled` is their share of all blocks."""
-    head = (f"{'policy':<14}{'hit':>7}{'/pooled':>9}{'pulled':>8}{'ttft p50':>10}{'ttft p99':>10}"
-            f"{'imbal p95':>11}{'util':>7}{'MB/req':>8}{'pull p99':>10}  reasons")
+    """One line per policy; `hit` = device + host + disk + pulled, each column its share of all
+    prompt blocks; MB/req and pull p99 are the pulls', tier p99 the tier copies' time."""
+    head = (f"{'policy':<14}{'hit':>7}{'/pooled':>9}{'device':>8}{'host':>7}{'disk':>7}{'pulled':>8}"
+            f"{'ttft p50':>10}{'ttft p99':>10}{'imbal p95':>11}{'util':>7}{'MB/req':>8}{'pull p99':>10}"
+            f"{'tier p99':>10}  reasons")
     lines = [head]
     for r in rows:
         reasons = " ".join(f"{k}={v}" for k, v in sorted(r.reasons.items()))
-        pulled = r.pulled_blocks / r.prompt_blocks if r.prompt_blocks else 0.0
-        pull_p99 = f"{r.pull_p99_s * 1000:>8.1f}ms" if r.pulled_blocks else f"{'-':>10}"
+        t = r.tier_shares
         lines.append(
-            f"{r.policy:<14}{r.hit_rate:>7.1%}{r.hit_vs_pooled:>9.1%}{pulled:>8.1%}{r.ttft_p50_s:>9.2f}s"
-            f"{r.ttft_p99_s:>9.2f}s{r.imbalance_p95:>11.2f}{r.utilization:>7.0%}"
-            f"{r.bytes_per_request / 1e6:>8.0f}{pull_p99}  {reasons}"
+            f"{r.policy:<14}{r.hit_rate:>7.1%}{r.hit_vs_pooled:>9.1%}{t['device']:>8.1%}{t['host']:>7.1%}"
+            f"{t['disk']:>7.1%}{t['pulled']:>8.1%}{r.ttft_p50_s:>9.2f}s{r.ttft_p99_s:>9.2f}s"
+            f"{r.imbalance_p95:>11.2f}{r.utilization:>7.0%}{r.bytes_per_request / 1e6:>8.0f}"
+            f"{_ms(r.pull_p99_s, r.pulled_blocks > 0)}{_ms(r.tier_p99_s, r.host_hit_blocks + r.disk_hit_blocks > 0)}"
+            f"  {reasons}"
         )
     return "\n".join(lines)
 
@@ -174,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         service = dataclasses.replace(ServiceModel(), **parse_overrides(args.service))
         policy_opts = parse_overrides(args.policy_opt)
         check_options(policy_opts)
-        transfer = make_transfer(service, parse_overrides(args.transfer))
+        transfer = make_transfer(service, {**tier_rates(args), **parse_overrides(args.transfer)})
         router = router_config(args)
+        TierConfig.from_flags(args.host_blocks, args.disk_blocks, 1)  # refuses bad tier flags before any run
         requests = load_workload(args)
     except (OSError, TypeError, ValueError) as e:
         print(f"prefixgate sim: {e}", file=sys.stderr)
@@ -193,25 +230,26 @@ def main(argv: list[str] | None = None) -> int:
         scale = n / BASE_REPLICAS if args.time_scale == "auto" else float(args.time_scale)
         for spec in args.capacity:
             cap = capacity_blocks(spec, distinct)
-            pooled = pooled_lru_hits(requests, cap * n) / total
+            tiers = TierConfig.from_flags(args.host_blocks, args.disk_blocks, cap)
+            combined = cap + tiers.blocks  # per replica, pool and tiers: the oracle's share of it
+            pooled = pooled_lru_hits(requests, combined * n) / total
             config = SimConfig(replicas=n, capacity_blocks=cap, service=service,
                                time_scale=scale, window_s=args.window, transfer=transfer,
-                               pull_holder=args.pull_holder, router=router)
+                               pull_holder=args.pull_holder, router=router, tiers=tiers)
             rows = []
             t0 = time.perf_counter()
             for name in args.policies:
-                opts = options_for(name, policy_opts)
-                if name == "affinity-pull":
-                    opts["transfer"] = transfer
-                result = run_policy(requests, make_policy(name, seed=args.seed, **opts), config)
+                result = run_policy(requests, sim_policy(name, args.seed, policy_opts, transfer), config)
                 result.hit_vs_pooled = result.hit_rate / pooled if pooled else float("nan")
                 rows.append(result)
-            print(f"\n== {n} replicas x {cap} blocks ({spec}), time scale {scale:g}: "
-                  f"pooled-LRU oracle hit {pooled:.1%}, unbounded {unbounded:.1%} "
+            below = f" + host {tiers.host_blocks} + disk {tiers.disk_blocks}" if tiers.blocks else ""
+            print(f"\n== {n} replicas x {cap} blocks ({spec}){below}, time scale {scale:g}: "
+                  f"pooled-LRU oracle hit {pooled:.1%} (at {combined * n} blocks), unbounded {unbounded:.1%} "
                   f"[{time.perf_counter() - t0:.0f}s]")
             print(format_table(rows))
             settings.append({
                 "replicas": n, "capacity": spec, "capacity_blocks": cap, "time_scale": scale,
+                "tiers": dataclasses.asdict(tiers), "oracle_pooled_blocks": combined * n,
                 "oracle_unbounded": unbounded, "oracle_pooled": pooled,
                 "rows": [r.to_dict() for r in rows],
             })

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 
 from router.memory_index import InMemoryIndex
 from router.policy import Policy
+from router.protocol.media import DISK, HOST
 from router.sim.metrics import PolicyResult, percentile, window_imbalance
 from router.sim.replica import Job, SimReplica
 from router.sim.router_config import SimRouterConfig
 from router.sim.service import ServiceModel
 from router.sim.sim_router import SimClock, SimRouter
+from router.sim.tiers import TierConfig
 from router.sim.workload import SimRequest
 from router.transfer_model import TransferModel
 
@@ -39,13 +41,14 @@ class SimConfig:
     transfer: TransferModel = field(default_factory=TransferModel)  # K/V pulls between replicas
     pull_holder: str = "keep"  # what a pull does to the holder's LRU: keep | touch | demote (SimReplica)
     router: SimRouterConfig = field(default_factory=SimRouterConfig)  # the live router's options
+    tiers: TierConfig = field(default_factory=TierConfig)  # each replica's host and disk tiers
 
 
 def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) -> PolicyResult:
     index = InMemoryIndex()
     reps = [
         SimReplica(f"r{i}", config.capacity_blocks, config.block_size, config.service, index, config.transfer,
-                   config.pull_holder)
+                   config.pull_holder, config.tiers)
         for i in range(config.replicas)
     ]
     by_id = {r.replica_id: r for r in reps}
@@ -61,6 +64,8 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
     seq = itertools.count()
     ttfts: list[float] = []
     pull_times: list[float] = []
+    tier_times: list[float] = []
+    promoted: Counter[str] = Counter()  # hit blocks copied back from each lower tier
     hit_blocks = pulled_blocks = prompt_blocks = rejected = 0
 
     def start(rep: SimReplica, now: float) -> None:
@@ -76,6 +81,9 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
                 job, end = rep.prefill_done(now)
                 ttfts.append(job.ttft)
                 hit_blocks += job.hit_blocks
+                if job.promoted:
+                    promoted.update(job.promoted)
+                    tier_times.append(job.tier_s)
                 if job.pulled_blocks:
                     pulled_blocks += job.pulled_blocks
                     pull_times.append(job.pull_s)
@@ -99,16 +107,18 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
         reasons[decision.reason] += 1
         rep = by_id[decision.replica_id]  # its queue is unbounded: the first choice always takes it
         router.routed(routed, rep.replica_id)
-        local = index.match(req.hashes, [rep.replica_id])[rep.replica_id]  # what it really holds
+        held = index.match_media(req.hashes, [rep.replica_id])[rep.replica_id]  # what it really holds
+        local = held.matched_blocks
+        copy = round(rep.copy_tokens(held.tier_blocks))  # bringing its lower-tier part back
         job = Job(req, now, 0, int(now // config.window_s))
         if decision.pull_from is not None and decision.pull_blocks > local:
             job.pull_from, job.pull_depth = by_id[decision.pull_from], decision.pull_blocks
             pull_tokens = (decision.pull_blocks - local) * bs
             # queued work as the policy sees it: the prefill left plus the pull's time
-            job.est_uncached = max(req.input_tokens - decision.pull_blocks * bs, 1) + round(
+            job.est_uncached = max(req.input_tokens - decision.pull_blocks * bs, 1) + copy + round(
                 config.transfer.pull_tokens_equiv(pull_tokens))
         else:
-            job.est_uncached = max(req.input_tokens - local * bs, 1)
+            job.est_uncached = max(req.input_tokens - local * bs, 1) + copy
         rep.enqueue(job)
         prompt_blocks += len(req.hashes)
         start(rep, now)
@@ -123,6 +133,10 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
         rejected=rejected,
         prompt_blocks=prompt_blocks,
         hit_blocks=hit_blocks,
+        host_hit_blocks=promoted[HOST],
+        disk_hit_blocks=promoted[DISK],
+        tier_bytes=promoted.total() * bs * config.transfer.kv_bytes_per_token,
+        tier_p99_s=percentile(tier_times, 99),
         pulled_blocks=pulled_blocks,
         pull_bytes=pulled_blocks * bs * config.transfer.kv_bytes_per_token,
         pull_p50_s=percentile(pull_times, 50),

@@ -38,7 +38,7 @@ class PolicyResult:
     requests: int
     rejected: int  # prompts larger than a replica's pool
     prompt_blocks: int
-    hit_blocks: int  # served from the replica's own cache
+    hit_blocks: int  # served from the replica's own cache, in any tier
     ttft_p50_s: float
     ttft_p99_s: float
     imbalance_p95: float
@@ -49,15 +49,30 @@ class PolicyResult:
     pull_bytes: float = 0.0  # K/V bytes moved by those pulls (the transfer model's bytes/token)
     pull_p50_s: float = math.nan  # modelled transfer time per pulling request
     pull_p99_s: float = math.nan
+    host_hit_blocks: int = 0  # of hit_blocks, copied back from the host tier ...
+    disk_hit_blocks: int = 0  # ... and from the disk tier (the rest were in the device pool)
+    tier_bytes: float = 0.0  # K/V bytes those copies moved
+    tier_p99_s: float = math.nan  # modelled copy time per request with a tier hit
 
     @property
     def hit_rate(self) -> float:
-        """Blocks not computed: local hits plus pulled blocks (what the fleet's cache saved)."""
+        """Blocks not computed: local hits (device, host, disk) plus pulled blocks (what the
+        fleet's cache saved)."""
         return (self.hit_blocks + self.pulled_blocks) / self.prompt_blocks if self.prompt_blocks else 0.0
 
     @property
     def local_hit_rate(self) -> float:
         return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    def share(self, blocks: int) -> float:
+        return blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    @property
+    def tier_shares(self) -> dict[str, float]:
+        """hit_rate split by where the blocks came from: they add up to it."""
+        device = self.hit_blocks - self.host_hit_blocks - self.disk_hit_blocks
+        return {"device": self.share(device), "host": self.share(self.host_hit_blocks),
+                "disk": self.share(self.disk_hit_blocks), "pulled": self.share(self.pulled_blocks)}
 
     @property
     def bytes_per_request(self) -> float:
@@ -68,5 +83,6 @@ class PolicyResult:
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
         d["local_hit_rate"] = self.local_hit_rate
+        d |= {f"{where}_hit_rate": v for where, v in self.tier_shares.items()}
         d["pull_bytes_per_request"] = self.bytes_per_request
         return d

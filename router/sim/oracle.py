@@ -7,7 +7,8 @@ Both count leading-block hits in arrival order, with no timing and no in-flight 
   C blocks each has N*C blocks in all; this is what they would hit if they were one cache, so it
   is the fair ceiling for routing (a router can only lose against it, by duplicating blocks or
   by splitting related prompts). Blocks are touched tail first, so a prompt's shared head is
-  the most recently used part, as in BlockManager.free.
+  the most recently used part, as in BlockManager.free. With K/V tiers below the pools, the
+  capacity is pools and tiers together (N x (pool + host + disk)): a tier hit counts as a hit.
 """
 
 from __future__ import annotations

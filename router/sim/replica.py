@@ -4,7 +4,9 @@ Blocks come and go exactly as on a real replica: a request gets its prompt block
 taken from the LRU) plus room for its output when it is admitted, the prompt blocks become
 cache entries when its prefill completes, and everything is released when it finishes. Cache
 membership changes reach the router's index through the same listener hook the real replica
-uses to publish KV events.
+uses to publish KV events. What the pool evicts moves to the replica's own host and disk tiers
+when it has them (router/sim/tiers.py); a hit there is copied back before the prefill, at the
+tier's modelled rate.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from dataclasses import dataclass
 from replica.block_manager import BlockManager, BlockTable
 from router.memory_index import InMemoryIndex
 from router.policy import ReplicaView
+from router.protocol.media import DEVICE
 from router.protocol.redis_schema import LOAD_FIELDS, Heartbeat
 from router.sim.service import ServiceModel
+from router.sim.tiers import TierConfig, copy_s, tier_heartbeat
 from router.sim.workload import SimRequest
 from router.transfer_model import TransferModel
 
@@ -24,17 +28,17 @@ HOLDER_MODES = ("keep", "touch", "demote")
 
 
 class IndexFeed:
-    """KVEventListener that forwards one replica's cache events to the index."""
+    """KVEventListener that forwards one replica's cache events, with their medium, to the index."""
 
     def __init__(self, replica_id: str, index: InMemoryIndex) -> None:
         self.replica_id = replica_id
         self.index = index
 
-    def stored(self, hashes: list[int], positions: list[int]) -> None:
-        self.index.stored(self.replica_id, hashes)
+    def stored(self, hashes: list[int], positions: list[int], medium: str = DEVICE) -> None:
+        self.index.stored(self.replica_id, hashes, medium)
 
-    def removed(self, hashes: list[int]) -> None:
-        self.index.removed(self.replica_id, hashes)
+    def removed(self, hashes: list[int], medium: str = DEVICE) -> None:
+        self.index.removed(self.replica_id, hashes, medium)
 
     def cleared(self) -> None:
         self.index.clear(self.replica_id)
@@ -47,7 +51,9 @@ class Job:
     est_uncached: int  # what the router expected to compute here, counted as queued work
     window: int  # imbalance window of the arrival
     table: BlockTable | None = None
-    hit_blocks: int = 0
+    hit_blocks: int = 0  # in any tier of this replica
+    promoted: dict[str, int] | None = None  # of hit_blocks, copied back from each lower tier
+    tier_s: float = 0.0  # modelled time of those copies
     uncached: int = 0
     ttft: float = 0.0
     pull_from: SimReplica | None = None  # the router's pull hint: the holder ...
@@ -59,7 +65,7 @@ class Job:
 class SimReplica:
     def __init__(
         self, replica_id: str, capacity_blocks: int, block_size: int, service: ServiceModel, index: InMemoryIndex,
-        transfer: TransferModel | None = None, pull_holder: str = "keep",
+        transfer: TransferModel | None = None, pull_holder: str = "keep", tiers: TierConfig | None = None,
     ) -> None:
         if pull_holder not in HOLDER_MODES:
             raise ValueError(f"pull_holder must be one of {HOLDER_MODES}, got {pull_holder!r}")
@@ -68,7 +74,8 @@ class SimReplica:
         self.service = service
         self.transfer = transfer or TransferModel()
         self.pull_holder = pull_holder  # what a pull does to the holder's LRU (HOLDER_MODES)
-        self.bm = BlockManager(num_blocks=capacity_blocks, block_size=block_size)
+        tiers = tiers or TierConfig()
+        self.bm = BlockManager(capacity_blocks, block_size, tiers.host_blocks, tiers.disk_blocks)
         self.bm.listeners.append(IndexFeed(replica_id, index))
         self.queue: deque[Job] = deque()
         self.queued_tokens = 0
@@ -108,13 +115,20 @@ class SimReplica:
 
     def heartbeat(self, now: float) -> dict[str, int]:
         """Its load as a live replica's heartbeat reports it (the LOAD_FIELDS a router reads);
-        kv_pull 1: simulated replicas import and export K/V. Rates stay 0 (unmeasured): the
-        pull policy is given the simulator's transfer model directly."""
+        kv_pull 1: simulated replicas import and export K/V. Pull rates stay 0 (unmeasured): the
+        pull policy is given the simulator's transfer model directly. Tiers: their occupancy and
+        modelled rates, with the K/V bytes per token they move, as a live replica reports them."""
         v = self.view(now, 0)
+        tiers = tier_heartbeat(self.bm, self.transfer)
         hb = Heartbeat(running=v.running, waiting=v.waiting, pending_prefill_tokens=v.pending_prefill_tokens,
                        free_blocks=v.free_blocks, cached_blocks=v.cached_blocks,
-                       capacity_blocks=v.capacity_blocks, kv_pull=1)
+                       capacity_blocks=v.capacity_blocks, kv_pull=1,
+                       kv_bytes_per_token=int(self.transfer.kv_bytes_per_token), **tiers)
         return {f: getattr(hb, f) for f in LOAD_FIELDS}
+
+    def copy_tokens(self, tier_blocks: dict[str, int]) -> float:
+        """Copying these lower-tier blocks back, in prompt tokens of prefill (queued work)."""
+        return copy_s(self.transfer, tier_blocks, self.block_size) * self.transfer.prefill_tokens_per_s
 
     def queue_len(self) -> int:
         """Requests sent here and not finished: what the live router's own count would say."""
@@ -140,10 +154,12 @@ class SimReplica:
         cached = self.bm.allocate(table, need)
         job.table = table
         job.hit_blocks = cached // self.block_size
+        job.promoted = dict(table.promoted)
+        job.tier_s = copy_s(self.transfer, job.promoted, self.block_size)
         pulled_tokens = self._pull(job)
         job.uncached = max(req.input_tokens - cached - pulled_tokens, 1)
         job.pull_s = self.transfer.pull_s(pulled_tokens)
-        dur = job.pull_s + self.service.prefill_s(job.uncached, self.decoding)
+        dur = job.tier_s + job.pull_s + self.service.prefill_s(job.uncached, self.decoding)
         self.current, self.cur_start, self.cur_end = job, now, now + dur
         self.busy_s += dur
         return self.cur_end
