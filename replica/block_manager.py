@@ -205,7 +205,7 @@ class BlockManager:
                 run.append((DEVICE, block))
                 continue
             tier = next((t for t in self.tiers if h in t), None)
-            if tier is None:
+            if tier is None or not tier.promote:
                 break
             stored = tier.entries[h].tokens
             if token_ids is not None and stored is not None and tuple(token_ids[i * bs : (i + 1) * bs]) != stored:

@@ -51,6 +51,9 @@ class LowerTier:
     medium: str
     capacity: int
     entries: OrderedDict[int, TierEntry] = field(default_factory=OrderedDict)  # oldest first
+    # a hit here is moved back into the pool; False where copying it back is slower than
+    # recomputing it (a slow disk): a prefix's run then ends here and the rest is computed
+    promote: bool = True
     stats: TierStats = field(default_factory=TierStats)
 
     def __post_init__(self) -> None:

@@ -224,6 +224,8 @@ class SimEngine(EngineCore):
         self._digest: dict[str, int] = {}  # request id -> prompt digest (seeds the fake tokens)
         self._due: float | None = None  # modelled end of the last step, while work remains
         self.transfer = config.transfer_model()
+        for tier in self.blocks.tiers:  # a tier slower than recomputing is never read back
+            tier.promote = self.transfer.tier_pays(tier.medium)
         # hinted requests still "pulling": (wall time due, seq, blocks), in arrival order. As on
         # a real replica (replica/kv_pull.py) the pull happens before the engine sees the
         # request, so it delays that request alone, never the running batch's steps

@@ -213,18 +213,26 @@ class AffinityPolicy(Policy):
         keywords, None keeping the current figure."""
         self.transfer = self.transfer.calibrated(**rates)
 
-    def tier_cost(self, request: RouteRequest, v: ReplicaView) -> float:
-        """Copying the match's lower-tier blocks back into `v`'s pool, in prefill-token
-        equivalents (device hits are free)."""
+    def own_hits(self, request: RouteRequest, v: ReplicaView) -> tuple[int, float]:
+        """(leading blocks `v` serves from its own cache, the copy of those in its lower tiers
+        back into the pool in prefill-token equivalents; device hits are free). The match runs
+        pool, then host, then disk (a replica evicts a sequence's tail first), and a replica
+        reads a tier back only where that beats recomputing (`TransferModel.tier_pays`): from
+        the first tier that does not, the rest is computed."""
         bs = request.block_size
-        return (self.transfer.tier_tokens_equiv(HOST, v.host_blocks * bs)
-                + self.transfer.tier_tokens_equiv(DISK, v.disk_blocks * bs))
+        usable, copy = v.device_blocks, 0.0
+        for medium, n in ((HOST, v.host_blocks), (DISK, v.disk_blocks)):
+            if n and not self.transfer.tier_pays(medium):
+                break
+            usable += n
+            copy += self.transfer.tier_tokens_equiv(medium, n * bs)
+        return usable, copy
 
     def prefix_cost(self, request: RouteRequest, v: ReplicaView) -> float:
         """The prompt's prefix on `v` from its own cache: misses recomputed, lower-tier hits
         copied back."""
-        uncached = max(request.num_prompt_tokens - v.matched_blocks * request.block_size, 0)
-        return self.miss_weight * uncached + self.tier_cost(request, v)
+        usable, copy = self.own_hits(request, v)
+        return self.miss_weight * max(request.num_prompt_tokens - usable * request.block_size, 0) + copy
 
     def cost(self, request: RouteRequest, v: ReplicaView) -> float:
         return self.prefix_cost(request, v) + v.pending_prefill_tokens + self.decode_weight * _queued(v)
@@ -318,13 +326,14 @@ class AffinityPullPolicy(AffinityPolicy):
         if source is None or source.replica_id == v.replica_id or not v.kv_pull:
             return recompute, 0
         depth = min(source.device_blocks, max(tokens - 1, 0) // bs)  # one token is always computed
-        if depth <= v.matched_blocks:
+        usable, copy = self.own_hits(request, v)
+        if depth <= usable:
             return recompute, 0
-        pulled = (depth - v.matched_blocks) * bs
+        pulled = (depth - usable) * bs
         if not self.transfer.pays(pulled):  # slower than computing them here: never offered
             return recompute, 0
         pull = (
-            self.tier_cost(request, v)  # its own lower-tier hits are still copied up
+            copy  # its own lower-tier hits are still copied up
             + self.transfer.pull_tokens_equiv(pulled)
             + self.copy_weight * pulled
             + self.miss_weight * max(tokens - depth * bs, 0)

@@ -85,6 +85,11 @@ class TransferModel:
         """A lower-tier hit's copy time in prompt tokens of prefill (the policy's cost unit)."""
         return self.tier_s(medium, tokens) * self.prefill_tokens_per_s
 
+    def tier_pays(self, medium: str) -> bool:
+        """Copying a block back from `medium` is faster than recomputing it (a replica promotes
+        from a tier only then, and the router prices the tier's hits only then)."""
+        return self.tier_s(medium, 1) < self.prefill_s(1)
+
     def pays(self, tokens: int) -> bool:
         """Pulling `tokens` tokens is faster than recomputing them."""
         return tokens > 0 and self.pull_s(tokens) < self.prefill_s(tokens)

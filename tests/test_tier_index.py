@@ -294,6 +294,37 @@ def test_a_partly_lower_tier_match_is_charged_for_that_part_only():
     assert p.cost(route(), _hit("m", host=6)) - base == pytest.approx(p.transfer.tier_tokens_equiv(HOST, 6 * BS))
 
 
+@pytest.mark.parametrize("policy", [AffinityPolicy, AffinityPullPolicy])
+def test_a_tier_slower_than_recompute_is_priced_as_a_miss(policy):
+    """A replica reads a tier back only where that beats recomputing (TransferModel.tier_pays):
+    below that rate its hits there are misses, and so is everything past them."""
+    slow = TransferModel(disk_bytes_per_s=1e6)
+    assert slow.tier_pays(HOST) and not slow.tier_pays(DISK)
+    p = policy(seed=0, transfer=slow)
+    cold = p.cost(route(), ReplicaView("c"))
+    assert p.cost(route(), _hit("k", disk=16)) == pytest.approx(cold)
+    assert p.own_hits(route(), ReplicaView("m", matched_blocks=16, host_blocks=4, disk_blocks=8)) == (
+        8, pytest.approx(slow.tier_tokens_equiv(HOST, 4 * BS)))
+
+
+def test_a_block_manager_never_reads_back_a_tier_that_does_not_pay():
+    from replica.block_manager import BlockManager, BlockTable
+    from router.protocol.hashing import block_hashes
+
+    bm = BlockManager(3, BS, host_blocks=4)
+    tokens = list(range(2 * BS + 1))
+    for prompt in (tokens, [99] * (2 * BS + 1)):  # the second pushes the first's blocks to host
+        t = BlockTable(hashes=block_hashes(prompt, BS, 0), token_ids=prompt)
+        bm.allocate(t, len(prompt))
+        bm.commit(t, prompt, len(prompt), 0)
+        bm.free(t)
+    bm.tier(HOST).promote = False
+    t = BlockTable(hashes=block_hashes(tokens, BS, 0), token_ids=tokens)
+    assert bm.allocate(t, len(tokens)) == 0 and t.promoted == {}
+    bm.commit(t, tokens, len(tokens), 0)
+    assert all(m == DEVICE for h, _, m in bm.held_blocks() if h in t.hashes), "recomputed: the host copy is dropped"
+
+
 def test_a_pull_source_is_priced_from_its_device_pool_only():
     """A replica exports from its pool: a holder whose match is in its host tier is no source,
     and one with 8 blocks in its pool and 8 in its host tier offers only those 8."""
@@ -324,11 +355,11 @@ def test_tier_rates_are_calibrated_from_the_fleets_heartbeats(redis_server, pref
     assert (rates["host_bytes_per_s"], rates["disk_bytes_per_s"]) == (20e9, 2e9)  # medians of the measured
     assert rates["bytes_per_s"] is None  # nobody measured a pull: the default stays
     p = policy(seed=0)
-    before = p.tier_cost(route(), _hit("h", host=16))
+    before = p.own_hits(route(), _hit("h", host=16))[1]
     p.calibrate(**rates)
     t = p.transfer
     assert (t.host_bytes_per_s, t.disk_bytes_per_s, t.prefill_tokens_per_s) == (20e9, 2e9, 1000)
     assert t.bytes_per_s == TransferModel().bytes_per_s
-    assert p.tier_cost(route(), _hit("h", host=16)) < before  # a slower prefill makes a copy relatively cheaper
+    assert p.own_hits(route(), _hit("h", host=16))[1] < before  # a slower prefill makes a copy relatively cheaper
     r.delete(*(keys.heartbeat(rid) for rid in beats))
     r.close()

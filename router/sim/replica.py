@@ -76,6 +76,8 @@ class SimReplica:
         self.pull_holder = pull_holder  # what a pull does to the holder's LRU (HOLDER_MODES)
         tiers = tiers or TierConfig()
         self.bm = BlockManager(capacity_blocks, block_size, tiers.host_blocks, tiers.disk_blocks)
+        for tier in self.bm.tiers:  # a tier slower than recomputing is never read back
+            tier.promote = self.transfer.tier_pays(tier.medium)
         self.bm.listeners.append(IndexFeed(replica_id, index))
         self.queue: deque[Job] = deque()
         self.queued_tokens = 0
