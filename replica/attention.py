@@ -97,11 +97,26 @@ class AttentionMetadata:
 
 
 _metadata: AttentionMetadata | None = None
+_backend = None  # None: the torch path below; else attends in its place (set_backend)
 
 
 def set_metadata(meta: AttentionMetadata | None) -> None:
     global _metadata
     _metadata = meta
+
+
+def set_backend(name: str) -> None:
+    """Which attention runs: "torch" (default; CPU and CUDA) or "triton" (replica/triton_attention.py's
+    kernels for a GPU, or its interpreter), given the same queries, pools and metadata."""
+    global _backend
+    if name not in ("torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}")
+    if name == "triton":
+        from replica import triton_attention
+
+        _backend = triton_attention.forward
+    else:
+        _backend = None
 
 
 class UnsupportedModelError(ValueError):
@@ -157,6 +172,8 @@ def paged_attention_forward(
     v_pool.index_copy_(1, meta.slot_mapping, value[0])
 
     q = query[0]  # [H, T, D]
+    if _backend is not None:
+        return _backend(q, k_pool, v_pool, meta, scaling).unsqueeze(0), None
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
     for seg in meta.prefills:
         qs = q[:, seg.q_start : seg.q_end].unsqueeze(0)
