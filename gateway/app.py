@@ -39,11 +39,9 @@ def router_config(config: AppConfig, model_id: str) -> RequestRouterConfig | Non
     return RequestRouterConfig(request_router_class=entry.ray_router) if entry.ray_router else None
 
 
-def build_app(config: AppConfig) -> serve.Application:
-    """Each process resolves the model itself (the bundled default is converted on first use on
-    each node), so the app builds anywhere; `prefixgate serve` converts it up front."""
-    model_id = config.model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
-    engine = EngineConfig(
+def engine_config(config: AppConfig, model_id: str) -> EngineConfig:
+    """What every replica's engine is built from."""
+    return EngineConfig(
         model=config.model,
         model_id=model_id,
         block_size=config.block_size,
@@ -56,7 +54,15 @@ def build_app(config: AppConfig) -> serve.Application:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
+        compile=config.compile,
     )
+
+
+def build_app(config: AppConfig) -> serve.Application:
+    """Each process resolves the model itself (the bundled default is converted on first use on
+    each node), so the app builds anywhere; `prefixgate serve` converts it up front."""
+    model_id = config.model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
+    engine = engine_config(config, model_id)
     settings = ReplicaSettings(engine=engine, redis_url=config.redis_url, key_prefix=config.key_prefix,
                                index_buckets=config.index_buckets, publish_depth=config.publish_depth,
                                torch_threads=config.torch_threads, sim=sim_settings(config, model_id),

@@ -60,6 +60,8 @@ class AppConfig:
                                       "is moved back on a hit instead of recomputed (0: none; docs/kv-tiers.md)")
     kv_disk_mb: int = setting(0, help="local-disk K/V tier per replica, MiB, below the host tier (0: none)")
     kv_disk_dir: str | None = setting(None, help="directory of the disk tier's file (default: the temp directory)")
+    compile: bool = setting(False, help="our engine: torch.compile the model's forward at replica start (cached across "
+                                        "restarts under ~/.cache/prefixgate/inductor; docs/benchmarks.md)")
     max_num_seqs: int = setting(MAX_NUM_SEQS, help="sequences running at once per replica")
     max_num_batched_tokens: int = setting(MAX_NUM_BATCHED_TOKENS, help="tokens per engine step (the prefill chunk, decodes included)")
     max_model_len: int | None = setting(4096, help="longest prompt + output, tokens (None: the model's)")
@@ -137,6 +139,9 @@ class AppConfig:
         if (self.kv_host_mb or self.kv_disk_mb) and self.engine == "vllm":
             raise ValueError("kv_host_mb / kv_disk_mb are our engine's K/V tiers; engine vllm has none of ours "
                              "(vLLM's own offloading reports its medium in its KV events, which the index keeps)")
+        if self.compile and self.engine != "model":
+            raise ValueError(f"compile is our engine's compiled forward; engine {self.engine} has none "
+                             "(vLLM's own: --vllm enforce_eager=false)")
         if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in self.api_keys.items()):
             raise ValueError("api_keys must map non-empty API key strings to tenant name strings")
         for name in ("sim_service", "sim_transfer", "replica_resources", "gateway_resources"):

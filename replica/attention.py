@@ -8,7 +8,11 @@ K/V gathered from the pool through its block table. Cached prefix blocks are rea
 Decode rows are grouped by context length (see DecodeGroup) so the K/V read per layer follows
 the real tokens, and blocks that several decodes' contexts start with (a shared system prompt
 hit in the prefix cache) are read once for all of them (cascade attention, see DecodeCascade);
-decode softmax runs in float32 also for bf16 pools. Models whose attention
+decode softmax runs in float32 also for bf16 pools. All of it is described by metadata that
+ModelRunner.prepare builds once per step as tensors (block tables, masks and what every layer
+derives from them), so a layer runs tensor operations only; under torch.compile this whole
+function is one opaque operator of the graph (`prefixgate::paged_attention`,
+replica/compiled_step.py). Models whose attention
 needs what is not implemented here (soft-capping, sinks, a sliding window shorter than the
 context) are refused at load time with UnsupportedModelError.
 
@@ -23,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from replica import cpu_attention
 
 PAGED_ATTENTION = "prefixgate_paged"
 
@@ -67,16 +73,23 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor  # [b, M] block ids of each row's context
     mask: torch.Tensor | None  # [1, b, 1, M * block_size] True where a slot is valid; None: all
+    # derived once per step, read by every layer
+    flat_tables: torch.Tensor = field(init=False, repr=False)
+    invalid: torch.Tensor | None = field(init=False, repr=False)  # ~mask: the slots every layer masks out
+
+    def __post_init__(self) -> None:
+        self.flat_tables = self.block_tables.reshape(-1)
+        self.invalid = None if self.mask is None else ~self.mask
 
 
 @dataclass
 class DecodeCascade:
     """Decode rows [start, end) whose contexts start with the same physical `prefix_blocks`.
 
-    The prefix is attended once for all these rows (one matrix product per KV head) and merged
-    with each row's own suffix by log-sum-exp, so a system prompt shared by many requests is
-    read once per step instead of once per request. `prefix_blocks` None: no shared prefix.
-    `groups` cover [start, end) with absolute row ranges, block tables past the prefix.
+    The prefix's keys are multiplied by all these rows at once (one matrix product per KV head)
+    and each row's softmax spans those scores and its own suffix's, so a system prompt shared by
+    many requests is read once per step instead of once per request. `prefix_blocks` None: no
+    shared prefix. `groups` cover [start, end) with absolute row ranges, block tables past the prefix.
     """
 
     start: int
@@ -94,6 +107,10 @@ class AttentionMetadata:
     num_decodes: int = 0  # the first num_decodes rows are single-token decodes
     decode_cascades: list[DecodeCascade] = field(default_factory=list)  # cover rows [0, num_decodes)
     max_context: int = 0  # longest context in the step (checked against a sliding window)
+    # the decode rows for the CPU kernel (replica/cpu_attention.py); None: the torch path's cascades
+    decode_tables: torch.Tensor | None = None  # every decode row's whole block table, concatenated
+    decode_offsets: torch.Tensor | None = None  # [num_decodes + 1] where each row's table starts
+    decode_lens: torch.Tensor | None = None  # [num_decodes] each row's context length
 
 
 _metadata: AttentionMetadata | None = None
@@ -103,6 +120,11 @@ _backend = None  # None: the torch path below; else attends in its place (set_ba
 def set_metadata(meta: AttentionMetadata | None) -> None:
     global _metadata
     _metadata = meta
+
+
+def default_backend() -> bool:
+    """True while the torch path (and on CPU its C decode kernel) attends, not a set_backend one."""
+    return _backend is None
 
 
 def set_backend(name: str) -> None:
@@ -163,18 +185,65 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    _refuse_unimplemented(kwargs)
+    window = kwargs.get("sliding_window")
+    if torch.compiler.is_compiling():  # one opaque call in the compiled graph (replica/compiled_step.py)
+        return torch.ops.prefixgate.paged_attention(query, key, value, module.layer_idx, scaling, window), None
+    return attend(module.layer_idx, query, key, value, scaling, window), None
+
+
+def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+           window: int | None) -> torch.Tensor:
+    """One layer's attention for the step in the current metadata; returns [1, T, H, D].
+
+    The compiled step pads the batch to a size it has compiled: rows past the metadata's
+    tokens are padding, not written to the pool, and come back as zeros.
+    """
     meta = _metadata
     if meta is None:
         raise RuntimeError("paged attention called outside the engine's forward pass")
-    _refuse_unimplemented(kwargs, meta)
-    k_pool, v_pool = meta.pool.k[module.layer_idx], meta.pool.v[module.layer_idx]
+    if window is not None and meta.max_context > window:
+        raise UnsupportedModelError(f"context of {meta.max_context} tokens exceeds the sliding window of {window}")
+    n, padded = meta.slot_mapping.numel(), query.shape[2]
+    if padded > n:
+        query, key, value = query[:, :, :n], key[:, :, :n], value[:, :, :n]
+    k_pool, v_pool = meta.pool.k[layer], meta.pool.v[layer]
     k_pool.index_copy_(1, meta.slot_mapping, key[0])  # key: [1, KVH, T, D]
     v_pool.index_copy_(1, meta.slot_mapping, value[0])
 
     q = query[0]  # [H, T, D]
     if _backend is not None:
-        return _backend(q, k_pool, v_pool, meta, scaling).unsqueeze(0), None
-    out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
+        out = _backend(q, k_pool, v_pool, meta, scaling)
+    else:
+        out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
+        _prefill(q, key, value, k_pool, v_pool, meta, scaling, out)
+        nd = meta.num_decodes
+        if nd and meta.decode_tables is not None:
+            scale = scaling if scaling is not None else q.shape[2] ** -0.5
+            cpu_attention.decode(q[:, :nd].transpose(0, 1), k_pool, v_pool, meta.decode_tables, meta.decode_offsets,
+                                 meta.decode_lens, meta.block_size, scale, out[:nd])
+        elif nd:
+            _decode(q[:, :nd], k_pool, v_pool, meta, scaling, out)
+    if padded > n:
+        out = F.pad(out, (0, 0, 0, 0, 0, padded - n))
+    return out.unsqueeze(0)
+
+
+@torch.library.custom_op("prefixgate::paged_attention", mutates_args=())
+def _attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float | None,
+               window: int | None) -> torch.Tensor:
+    """attend() as an operator the compiler keeps opaque: writes the pool, reads the metadata."""
+    return attend(layer, query, key, value, scaling, window)
+
+
+@_attend_op.register_fake
+def _(query, key, value, layer, scaling, window):
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+def _prefill(q, key, value, k_pool, v_pool, meta: AttentionMetadata, scaling: float | None, out: torch.Tensor) -> None:
+    """Each prefill chunk attends over its request's context on its own (SDPA): the new K/V as
+    computed when nothing is cached, else the whole context gathered from the pool."""
     for seg in meta.prefills:
         qs = q[:, seg.q_start : seg.q_end].unsqueeze(0)
         if seg.kv_slots is None:
@@ -187,88 +256,64 @@ def paged_attention_forward(
             qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=True
         )
         out[seg.q_start : seg.q_end] = o[0].transpose(0, 1)
-    if meta.num_decodes:
-        _decode(q[:, : meta.num_decodes], k_pool, v_pool, meta, scaling, out)
-    return out.unsqueeze(0), None
 
 
 def _decode(q: torch.Tensor, k_pool, v_pool, meta: AttentionMetadata, scaling: float | None, out: torch.Tensor) -> None:
-    """All decode rows: per cascade, the shared prefix once (if any), then each length group
-    over its own blocks."""
-    h, _, d = q.shape
-    q = q.float() * (scaling if scaling is not None else d**-0.5)  # [H, B, D], scaled once
-    for cascade in meta.decode_cascades:
-        prefix = None
-        if cascade.prefix_blocks is not None:
-            rows = q[:, cascade.start : cascade.end]
-            prefix = _prefix_attention(rows, k_pool, v_pool, cascade.prefix_blocks, meta.block_size)
-        for group in cascade.groups:
-            rows = q[:, group.start : group.end]
-            if prefix is None:
-                o = _decode_attention(rows, k_pool, v_pool, group, meta.block_size)
-            else:
-                o_s, lse_s = _decode_attention(rows, k_pool, v_pool, group, meta.block_size, with_lse=True)
-                lo, hi = group.start - cascade.start, group.end - cascade.start
-                o_p, lse_p = (t[:, lo:hi] for t in prefix)  # [KVH, b, G, (D)]
-                lse = torch.logaddexp(lse_p, lse_s)
-                o = o_p * (lse_p - lse).exp_().unsqueeze(-1) + o_s * (lse_s - lse).exp_().unsqueeze(-1)
-            b = group.end - group.start
-            out[group.start : group.end] = o.permute(1, 0, 2, 3).reshape(b, h, d).to(out.dtype)
+    """All decode rows, one cascade at a time: the shared prefix's keys are multiplied once by
+    all the cascade's rows, then each length group scores its own blocks and takes one softmax
+    over prefix and suffix scores together (no partial results to merge).
 
-
-def _prefix_attention(q: torch.Tensor, k_pool, v_pool, blocks: torch.Tensor, block_size: int):
-    """Every decode row over the same prefix blocks: one matrix product per KV head, reading the
-    prefix once instead of once per sequence. Returns (out, lse) as [KVH, B, G, D], [KVH, B, G]."""
-    h, b, d = q.shape
-    kv_heads = k_pool.shape[0]
-    g = h // kv_heads
-    keys = k_pool.view(kv_heads, -1, block_size, d).index_select(1, blocks).view(kv_heads, -1, d).float()
-    values = v_pool.view(kv_heads, -1, block_size, d).index_select(1, blocks).view(kv_heads, -1, d).float()
-    queries = q.reshape(kv_heads, g * b, d)  # rows ordered (g, b)
-    o, lse = _softmax_attend(torch.matmul(queries, keys.transpose(-1, -2)), values)
-    return o.view(kv_heads, g, b, d).transpose(1, 2), lse.view(kv_heads, g, b).transpose(1, 2)
-
-
-def _softmax_attend(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(scores) @ values and the log-sum-exp of the scores (to merge partial results)."""
-    m = scores.amax(dim=-1, keepdim=True)
-    e = scores.sub_(m).exp_()
-    total = e.sum(dim=-1, keepdim=True)
-    o = torch.matmul(e, values).div_(total)
-    return o, (m + total.log()).squeeze(-1)
-
-
-def _refuse_unimplemented(kwargs: dict, meta: AttentionMetadata) -> None:
-    """Never run a model wrong: features checked at load time, checked again per call."""
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise UnsupportedModelError(f"paged attention does not implement {name}")
-    window = kwargs.get("sliding_window")
-    if window is not None and meta.max_context > window:
-        raise UnsupportedModelError(f"context of {meta.max_context} tokens exceeds the sliding window of {window}")
-
-
-def _decode_attention(q: torch.Tensor, k_pool, v_pool, group: DecodeGroup, block_size: int, with_lse: bool = False):
-    """One query token per sequence over its paged context, for one group of rows at once.
-
-    Whole blocks are gathered (a few large copies rather than one per token), and grouped-query
-    heads are handled by reshaping the queries to [kv_heads, group] instead of expanding K/V.
-    q: [H, b, D], float32 and already scaled. Returns [KVH, b, G, D] float32 (and the
-    log-sum-exp [KVH, b, G] with with_lse): scores and softmax stay in float32 whatever the
-    pool's dtype, since bf16 scores would be rounded before the softmax.
+    Scores, softmax and the weighted sums stay in float32 whatever the pool's dtype, since bf16
+    scores would be rounded before the softmax. Grouped-query heads are handled by laying the
+    queries out [kv_heads, rows, group, D] instead of expanding K/V.
     """
     h, b, d = q.shape
     kv_heads = k_pool.shape[0]
-    tables = group.block_tables.view(-1)
-    keys = k_pool.view(kv_heads, -1, block_size, d).index_select(1, tables).view(kv_heads, b, -1, d).float()
-    values = v_pool.view(kv_heads, -1, block_size, d).index_select(1, tables).view(kv_heads, b, -1, d).float()
-    queries = q.view(kv_heads, h // kv_heads, b, d).transpose(1, 2)  # [KVH, b, G, D]
-    scores = torch.matmul(queries, keys.transpose(-1, -2))  # [KVH, b, G, L]
-    if group.mask is not None:
-        scores.masked_fill_(~group.mask, float("-inf"))
-    if with_lse:
-        return _softmax_attend(scores, values)
-    return torch.matmul(torch.softmax(scores, dim=-1), values)
+    g = h // kv_heads
+    scale = scaling if scaling is not None else d**-0.5
+    q = q.view(kv_heads, g, b, d).transpose(1, 2).contiguous().float().mul_(scale)  # [KVH, B, G, D]
+    k_blocks = k_pool.view(kv_heads, -1, meta.block_size, d)
+    v_blocks = v_pool.view(kv_heads, -1, meta.block_size, d)
+    for cascade in meta.decode_cascades:
+        prefix = None
+        if cascade.prefix_blocks is not None:
+            keys = k_blocks.index_select(1, cascade.prefix_blocks).view(kv_heads, -1, d).float()
+            rows = q[:, cascade.start : cascade.end].reshape(kv_heads, -1, d)  # rows ordered (b, g)
+            scores = torch.matmul(rows, keys.transpose(-1, -2)).view(kv_heads, cascade.end - cascade.start, g, -1)
+            values = v_blocks.index_select(1, cascade.prefix_blocks).view(kv_heads, -1, d).float()
+            prefix = scores, values
+        for group in cascade.groups:
+            _attend_group(q, k_blocks, v_blocks, group, prefix, cascade.start, out)
+
+
+def _attend_group(q, k_blocks, v_blocks, group: DecodeGroup, prefix, first_row: int, out: torch.Tensor) -> None:
+    """One length group: scores over its own blocks (gathered whole, a few large copies rather
+    than one per token), joined to its rows' prefix scores if any, softmax, weighted sums."""
+    kv_heads, _, _, d = k_blocks.shape
+    b = group.end - group.start
+    keys = k_blocks.index_select(1, group.flat_tables).view(kv_heads, b, -1, d).float()
+    values = v_blocks.index_select(1, group.flat_tables).view(kv_heads, b, -1, d).float()
+    scores = torch.matmul(q[:, group.start : group.end], keys.transpose(-1, -2))  # [KVH, b, G, L]
+    if group.invalid is not None:
+        scores.masked_fill_(group.invalid, float("-inf"))
+    if prefix is None:
+        o = torch.matmul(torch.softmax(scores, dim=-1), values)
+    else:
+        p_scores, p_values = prefix
+        lo, hi = group.start - first_row, group.end - first_row
+        n = p_values.shape[1]
+        probs = torch.softmax(torch.cat([p_scores[:, lo:hi], scores], dim=-1), dim=-1)  # [KVH, b, G, Lp + L]
+        o = torch.matmul(probs[..., n:], values)
+        o.view(kv_heads, -1, d).baddbmm_(probs.view(kv_heads, -1, probs.shape[-1])[..., :n], p_values)
+    out[group.start : group.end].view(b, kv_heads, -1, d).copy_(o.transpose(0, 1))
+
+
+def _refuse_unimplemented(kwargs: dict) -> None:
+    """Never run a model wrong: features checked at load time, checked again per call (the
+    sliding window against the step's contexts in attend())."""
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"paged attention does not implement {name}")
 
 
 def plan_decode_groups(lengths: list[int], slack: float = 2.0) -> list[tuple[int, int]]:

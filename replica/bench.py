@@ -32,6 +32,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from replica.engine import LLMEngine, RequestOutput, SamplingParams
+from replica.packed_linear import PackedLinear
 
 say = functools.partial(print, flush=True)  # progress shows up in redirected logs
 
@@ -281,12 +282,14 @@ def _exact(outs: list[list[int]], n: int, who: str) -> None:
 
 @torch.inference_mode()
 def weights_step_s(engine: LLMEngine, rows: int, repeats: int = 9) -> float:
-    """Median time of every nn.Linear of the model (lm_head included) on `rows` random rows: what
+    """Median time of every linear layer of the model (nn.Linear or the oneDNN PackedLinear it
+    becomes on CPU fp32, lm_head included) on `rows` random rows: what
     a decode step of that many sequences spends only reading and multiplying the weights, the
     floor no attention or scheduling work can get under (the weights are bandwidth bound at
     small batches, for transformers' generate_batch as for us)."""
     runner = engine.runner
-    linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in runner.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    assert linears, "no linear layers found"
     inputs = [torch.randn(rows, m.in_features, dtype=runner.dtype, device=runner.device) for m in linears]
     times = []
     for _ in range(repeats):
@@ -445,6 +448,7 @@ def to_json(seed: SeedResult, tp: ThroughputResult, args: argparse.Namespace, en
         "model": str(engine.model_path),
         "threads": args.threads,
         "torch": torch.__version__,
+        "compile": asdict(engine.runner.compile_stats) if engine.runner.compile_stats else None,
         "seed_scenario": {**asdict(seed), "saved_fraction": seed.saved_fraction},
         "throughput": {
             **asdict(tp),
@@ -480,6 +484,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--against", choices=["vllm"], default=None,
                    help="also run vLLM's CPU engine (its venv .venv-vllm) on the same prompts, rounds interleaved "
                         "(replica/bench_vllm.py)")
+    p.add_argument("--compile", action="store_true",
+                   help="our engine with EngineConfig(compile=True): the forward compiled at start (replica/compiled_step.py)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="our engine's dtype, and vLLM's with --against (default: float32 on CPU)")
     p.add_argument("--vllm-python", default=None, help="--against vllm: its interpreter (default .venv-vllm/bin/python)")
@@ -523,9 +529,12 @@ def _run(args: argparse.Namespace) -> int:
             print(bench_vllm.missing_message(args.vllm_python), file=sys.stderr, flush=True)
             return bench_vllm.MISSING_EXIT
     t0 = time.perf_counter()
-    engine = LLMEngine(model=args.model, dtype=args.dtype)
+    engine = LLMEngine(model=args.model, dtype=args.dtype, compile=args.compile)
     say(f"model {engine.model_path.name} loaded in {time.perf_counter() - t0:.1f} s; "
           f"torch {torch.__version__}, {args.threads} threads, block size {engine.config.block_size}")
+    if (c := engine.runner.compile_stats) is not None:
+        say(f"compiled forward: {c.seconds:.1f} s of that start-up ({c.graphs} graph, FX graph cache "
+            f"{c.fx_cache_hits} hit / {c.fx_cache_misses} miss, {c.cache_dir})")
     warm_up(engine)
     seed = scenario_seed(engine, args.seed_new_tokens)
     print_seed(seed, engine.config.block_size)

@@ -64,7 +64,7 @@ class LLMEngine(EngineCore):
         num_blocks = config.num_blocks or max(16, config.kv_cache_bytes // block_bytes)
         host_blocks, disk_blocks = config.kv_host_bytes // block_bytes, config.kv_disk_bytes // block_bytes
         self.runner = ModelRunner(str(path), block_size=config.block_size, num_blocks=num_blocks, device=device, dtype=dtype,
-                                  max_model_len=config.max_model_len)
+                                  max_model_len=config.max_model_len, compile=config.compile)
         self.shape = self.runner.shape
         self.tokenizer = _load_tokenizer(path)
         eos = _eos_ids(path, self.tokenizer)

@@ -43,6 +43,7 @@ class EngineConfig:
     max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    compile: bool = False  # torch.compile the forward at start (replica/compiled_step.py; cached across restarts)
     # K/V tiers below the pool (replica/kv_tiers.py): what the pool evicts moves to host memory,
     # then to a bounded local file, and is moved back on a prefix hit instead of recomputed
     kv_host_bytes: int = 0  # 0: no host tier

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from replica import attention
+from replica import attention, cpu_attention, fused, packed_linear
 from replica.attention import AttentionMetadata, DecodeCascade, DecodeGroup, KVPool, PrefillSegment
 from replica.scheduler import ScheduledChunk
+
+if TYPE_CHECKING:
+    from replica.compiled_step import CompiledForward, CompileStats
 
 
 @dataclass
@@ -19,6 +23,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     max_position_embeddings: int
+    num_heads: int = 0  # query heads
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -30,11 +35,15 @@ class ModelShape:
             head_dim=head_dim,
             vocab_size=config.vocab_size,
             max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
+            num_heads=config.num_attention_heads,
         )
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+WARM_UP_SIZES = [2, 16]  # the compiled graph's first run, then a second size that must reuse it
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -44,12 +53,16 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
+    cpu_decode = False  # decode attention through replica/cpu_attention.py's kernel (set at load when it can)
+
     def __init__(
         self, model_path: str, *, block_size: int, num_blocks: int, device: torch.device, dtype: torch.dtype,
-        max_model_len: int | None = None,
+        max_model_len: int | None = None, compile: bool = False,
     ) -> None:
         """Raises attention.UnsupportedModelError for a model our attention would run wrong
-        (checked for contexts up to max_model_len, default the model's own limit)."""
+        (checked for contexts up to max_model_len, default the model's own limit). compile:
+        run the forward through replica/compiled_step.py, compiled here (or loaded from its
+        cache) before the first request."""
         attention.register()
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -59,9 +72,21 @@ class ModelRunner:
         self.shape = ModelShape.from_config(self.model.config)
         limit = self.shape.max_position_embeddings
         attention.check_supported(self.model, min(max_model_len or limit, limit))
+        self.fusion = fused.fuse_projections(self.model)
+        if packed_linear.packable(self.model):
+            packed_linear.pack_linears(self.model)
         self.pool = KVPool.allocate(
             self.shape.num_layers, num_blocks * block_size, self.shape.num_kv_heads, self.shape.head_dim, dtype, device
         )
+        self.cpu_decode = cpu_attention.supports(self.pool.k[0], self.shape.num_heads, block_size)
+        self.compiled: CompiledForward | None = None
+        self.compile_stats: CompileStats | None = None
+        if compile:
+            # torch.compile's imports, only when used
+            from replica.compiled_step import CompiledForward
+
+            self.compiled = CompiledForward(self.model)
+            self.compile_stats = self.compiled.warm_up(self.pool, block_size, WARM_UP_SIZES)
 
     @staticmethod
     def read_shape(model_path: str) -> ModelShape:
@@ -83,7 +108,10 @@ class ModelRunner:
         they share (_prefix_clusters), then sorted by context length and grouped
         (attention.plan_decode_groups); longer chunks attend one request at a time. `chunks`
         is reordered in place to match. Work per step follows the new tokens (slots are computed
-        for them only) plus one block id per decode's context block.
+        for them only) plus one block id per decode's context block. With the CPU decode kernel
+        (cpu_decode) the decodes get their whole block tables instead of cascades and groups; the
+        clustering still puts rows that share a prefix next to each other, which the kernel's
+        cache reuse relies on.
         """
         bs = self.block_size
         # a decode computes one token at the end of a sequence; a one-token chunk in the middle of
@@ -122,6 +150,9 @@ class ModelRunner:
             prefills=segments, block_size=bs, num_decodes=len(decodes),
             max_context=max((c.end for c in chunks), default=0),
         )
+        if self.cpu_decode and attention.default_backend():
+            meta.decode_tables, meta.decode_offsets, meta.decode_lens = self._decode_tables(decodes)
+            clusters = []  # the kernel reads each row's whole table: no cascades to build
         row = 0
         for rows, shared in clusters:
             prefix = None
@@ -139,6 +170,17 @@ class ModelRunner:
             meta,
             torch.tensor(sample_rows, dtype=torch.long, device=self.device),
         )
+
+    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every decode row's blocks, concatenated, where each row's start, and its context length."""
+        bs = self.block_size
+        tables: list[int] = []
+        offsets = [0]
+        for c in decodes:
+            tables += c.seq.table.block_ids[: -(-c.end // bs)]
+            offsets.append(len(tables))
+        lens = [c.end for c in decodes]
+        return tuple(torch.tensor(x, dtype=torch.long) for x in (tables, offsets, lens))
 
     def _decode_group(
         self, decodes: list[ScheduledChunk], lengths: list[int], start: int, end: int, skip: int, offset: int
@@ -167,6 +209,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(chunks)
         attention.set_metadata(meta)
         try:
+            if self.compiled is not None:
+                return self.compiled(input_ids, positions, sample_rows).float()
             out = self.model(
                 input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=sample_rows
             )

