@@ -1,11 +1,17 @@
-"""fp32 linear layers on CPU through oneDNN with weights packed once at load.
+"""CPU linear layers through oneDNN with weights packed once at load, where that pays.
 
-At the row counts a decode step has (1 to 64), `F.linear` (MKL sgemm) re-reads the weight in
-its plain layout every call; oneDNN's matmul over a weight reordered once into its blocked
-layout runs the same products 1.2x to 1.9x faster on this repository's 2-core AVX2 machine
-(docs/benchmarks.md). The weights are the largest part of a decode step, so every nn.Linear
-of a CPU fp32 model is swapped for a PackedLinear after loading; the dense weight is dropped,
-so memory stays the same (except a tied lm_head, whose embedding keeps its own copy).
+`F.linear` re-reads the weight in its plain layout every call; oneDNN's matmul over a weight
+reordered once into its blocked layout is faster where packing pays (`scripts/bench_linear.py`
+measures both on the model's shapes, interleaved; docs/benchmarks.md):
+
+- bf16 (AVX-512 bf16 / AMX): 1.3x to 1.4x per layer at 1 to 208 rows, so bf16 is always packed;
+- fp32 on AVX-512: 0.61x at 1 row (MKL's single-row path is better), 1.37x at 16, about 1.0x at
+  64 and above; end to end a single stream decoded 0.84x as fast, so fp32 stays on F.linear there;
+- fp32 on AVX2 only: 1.2x to 1.9x at 1 to 64 rows (measured on an earlier machine), so packed.
+
+The weights are the largest part of a decode step. Packed layers replace nn.Linear after
+loading and the dense weight is dropped, so memory stays the same (except a tied lm_head, whose
+embedding keeps its own copy).
 
 torch.compile cannot trace an opaque oneDNN tensor, so a compiled graph calls the layer
 through the custom op `prefixgate::packed_linear`, which finds it by its name in the model
@@ -32,9 +38,13 @@ def layers_of(model: nn.Module) -> dict[str, PackedLinear]:
 
 
 def packable(model: nn.Module) -> bool:
-    """oneDNN packing pays off (and is exact to F.linear's fp32 within rounding) for CPU fp32."""
+    """Whether packing pays for this model here (the measurements in the module docstring)."""
     p = next(model.parameters())
-    return p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    if p.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if p.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return p.dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 class PackedLinear(nn.Module):

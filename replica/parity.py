@@ -71,8 +71,10 @@ class ParityResult:
         return self.agreed == self.prompts and self.exact >= self.prompts - 1
 
 
-def check_family(family: str, path: str, device: str = "cpu", dtype: str = "bfloat16", n: int = 10) -> ParityResult:
-    """A cold request, then a batch with prefix hits, a chunked prompt and mixed-length decodes."""
+def check_family(family: str, path: str, device: str = "cpu", dtype: str = "bfloat16", n: int = 10,
+                 compile: bool = False) -> ParityResult:
+    """A cold request, then a batch with prefix hits, a chunked prompt and mixed-length decodes
+    (compile: through the compiled forward, replica/compiled_step.py)."""
     from transformers import AutoModelForCausalLM
 
     from replica.engine import LLMEngine, SamplingParams
@@ -83,7 +85,8 @@ def check_family(family: str, path: str, device: str = "cpu", dtype: str = "bflo
     system = [rng.randrange(3, 384) for _ in range(13)]
     prompts = [system + [rng.randrange(3, 384) for _ in range(k)] for k in (2, 9, 30, 70)]
     expected = [reference_greedy(ref, p, n) for p in prompts]
-    engine = LLMEngine(path, block_size=4, num_blocks=128, dtype=dtype, max_num_batched_tokens=32, device=device)
+    engine = LLMEngine(path, block_size=4, num_blocks=128, dtype=dtype, max_num_batched_tokens=32, device=device,
+                       compile=compile)
     greedy = SamplingParams(max_tokens=n, ignore_eos=True)
     engine.generate(prompts[:1], greedy)  # fills the cache with the shared prefix
     outs = engine.generate(prompts, greedy)

@@ -1,14 +1,17 @@
-"""The one compiled test (the rest of the suite runs eager): EngineConfig(compile=True) gives the
+"""The compiled tests (the rest of the suite runs eager): EngineConfig(compile=True) gives the
 same greedy tokens as the eager engine and as transformers, from one graph compiled at start
-for every batch size, so no request pays a compile."""
+for every batch size, so no request pays a compile; in fp32 for every tiny family, and in bf16
+within its tie rules (replica/parity.py, as tests/test_engine_bf16.py checks the eager path)."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
+from replica import parity
 from replica.engine import LLMEngine, SamplingParams
 from tests.conftest import reference_greedy
 
@@ -35,3 +38,17 @@ def test_compiled_greedy_equals_eager_and_transformers(tiny_model_dirs):
     assert [o.token_ids for o in together] == expected
     assert alone[0].token_ids == expected[3]
     assert any(o.num_cached_tokens for o in together)
+
+
+@pytest.mark.parametrize("family", [f for f in parity.FAMILIES if f != "qwen3"])  # qwen3: the test above
+def test_compiled_fp32_equals_transformers(family, tmp_path):
+    result = parity.check_family(family, parity.save_tiny(family, tmp_path), dtype="float32", compile=True)
+    assert result.exact == result.prompts, result
+    assert all(c >= 12 for c in result.cached_tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # bf16 linears go through the packed custom op
+def test_compiled_bf16_keeps_the_tie_rules(family, tmp_path):
+    result = parity.check_family(family, parity.save_tiny(family, tmp_path), dtype="bfloat16", compile=True)
+    assert result.agreed == result.prompts, result
+    assert result.exact >= result.prompts - 1, result
