@@ -1,14 +1,15 @@
-"""CPU linear layers through oneDNN with weights packed once at load, where that pays.
+"""CPU linear layers through oneDNN with weights packed once at load.
 
 `F.linear` re-reads the weight in its plain layout every call; oneDNN's matmul over a weight
-reordered once into its blocked layout is faster where packing pays (`scripts/bench_linear.py`
-measures both on the model's shapes, interleaved; docs/benchmarks.md):
+reordered once into its blocked layout is faster at the batch sizes a serving step has
+(`scripts/bench_linear.py` measures both on the model's shapes, interleaved; docs/benchmarks.md):
 
-- bf16 (AVX-512 bf16 / AMX): 1.3x to 1.4x per layer at 1 to 208 rows, so bf16 is always packed;
-- fp32 on AVX-512: 0.61x at 1 row (MKL's single-row path is better), 1.37x at 16, about 1.0x at
-  64 and above; end to end a single stream decoded 0.84x as fast, so fp32 stays on F.linear there;
-- fp32 on AVX2 only: 1.2x to 1.9x at 1 to 64 rows (measured on an earlier machine), so packed.
+- bf16 (AVX-512 bf16 / AMX): 1.3x to 1.4x per layer at 1 to 208 rows;
+- fp32 on AVX-512: 1.37x at 16 rows, about 1.0x at 64 and above, but 0.61x at 1 row (MKL's
+  single-row path is better): a lone stream decodes 0.84x as fast, 16 streams 1.07x faster;
+- fp32 on AVX2 only: 1.2x to 1.9x at 1 to 64 rows (measured on an earlier machine).
 
+So every CPU model in fp32 or bf16 is packed: batches are what a replica serves for.
 The weights are the largest part of a decode step. Packed layers replace nn.Linear after
 loading and the dense weight is dropped, so memory stays the same (except a tied lm_head, whose
 embedding keeps its own copy).
@@ -44,7 +45,7 @@ def packable(model: nn.Module) -> bool:
         return False
     if p.dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return p.dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    return p.dtype == torch.float32
 
 
 class PackedLinear(nn.Module):
