@@ -69,6 +69,8 @@ class ThroughputResult:
     total_tok_s: float  # prompt + output tokens per second
     steps: int
     preemptions: int
+    compile_s: float | None = None  # --compile: the compiled forward's start-up (trace, compile or cache load)
+    compiled_graphs: int | None = None
 
 
 def throughput(path: str, args: argparse.Namespace) -> ThroughputResult:
@@ -77,6 +79,7 @@ def throughput(path: str, args: argparse.Namespace) -> ThroughputResult:
     engine = LLMEngine(
         path, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
         max_num_seqs=args.num_seqs, max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
+        compile=args.compile,
     )
     rng = random.Random(0)
     vocab = min(10000, engine.vocab_size)
@@ -102,6 +105,8 @@ def throughput(path: str, args: argparse.Namespace) -> ThroughputResult:
         output_tokens=produced, seconds=seconds, output_tok_s=produced / seconds,
         total_tok_s=(produced + prompt_tokens) / seconds, steps=after.steps - before.steps,
         preemptions=after.preemptions - before.preemptions,
+        compile_s=engine.runner.compile_stats.seconds if engine.runner.compile_stats else None,
+        compiled_graphs=engine.runner.compile_stats.graphs if engine.runner.compile_stats else None,
     )
 
 
@@ -124,6 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--attention", choices=("torch", "triton"), default="torch",
                    help="the engine's attention for parity and throughput (attention.set_backend)")
+    p.add_argument("--compile", action="store_true",
+                   help="parity and throughput through the compiled forward (replica/compiled_step.py)")
     p.add_argument("--skip-kernel", action="store_true", help="skip Triton kernels against the torch path")
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
@@ -142,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device {args.device} ({name}), torch {torch.__version__}, dtype {args.dtype}, "
-          f"attention {args.attention}", flush=True)
-    report: dict = {"device": name, "torch": torch.__version__, "attention": args.attention}
+          f"attention {args.attention}{', compiled forward' if args.compile else ''}", flush=True)
+    report: dict = {"device": name, "torch": torch.__version__, "attention": args.attention, "compile": args.compile}
     ok = True
     if not args.skip_kernel or args.attention == "triton":
         triton_check.use_interpreter_on_cpu(args.device)  # this process's own triton import
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             results = []
             for family in parity.FAMILIES:
                 path = parity.save_tiny(family, Path(tmp) / f"tiny-{family}")
-                r = parity.check_family(family, path, device=args.device, dtype="bfloat16")
+                r = parity.check_family(family, path, device=args.device, dtype="bfloat16", compile=args.compile)
                 results.append(r)
                 print(f"parity bf16 {family:8s} exact {r.exact}/{r.prompts}, up to bf16 ties {r.agreed}/{r.prompts}: "
                       f"{'ok' if r.ok else 'FAILED'}", flush=True)
@@ -173,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"throughput {'tiny Qwen3' if args.smoke else 'Qwen3-0.6B (random weights)'}: {r.num_seqs} seqs, "
                   f"{r.prompt_tokens} prompt + {r.output_tokens} output tokens in {r.seconds:.1f} s, "
                   f"{r.steps} steps, {r.preemptions} preemptions: {r.output_tok_s:.0f} output tok/s "
-                  f"({r.total_tok_s:.0f} tok/s with prompts)", flush=True)
+                  f"({r.total_tok_s:.0f} tok/s with prompts)"
+                  + (f"; compiled forward ready in {r.compile_s:.1f} s at start" if r.compile_s is not None else ""),
+                  flush=True)
             report["throughput"] = asdict(r)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -6,6 +6,7 @@
 #
 #   scripts/gpu_check.sh                     # on a machine with CUDA
 #   scripts/gpu_check.sh --attention triton  # parity and throughput on the Triton kernels
+#   scripts/gpu_check.sh --compile          # parity and throughput through the compiled forward
 #   scripts/gpu_check.sh --smoke             # the same code paths, tiny, on CPU (run by the tests)
 #   scripts/gpu_check.sh --json out.json     # extra arguments go to python -m replica.gpu_check
 #

@@ -34,6 +34,21 @@ def test_gpu_check_smoke_runs_parity_and_throughput(tmp_path):
     assert abs(tp["output_tok_s"] * tp["seconds"] - tp["output_tokens"]) < 1e-6 * tp["output_tokens"]
 
 
+def test_gpu_check_smoke_compiled_throughput(tmp_path):
+    """--compile, the form a lent GPU runs for the compiled step: one graph, built at start."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--smoke", "--compile", "--skip-kernel", "--skip-parity",
+         "--json", str(out)],
+        cwd=ROOT, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tp = json.loads(out.read_text())["throughput"]
+    assert tp["compiled_graphs"] == 1 and tp["compile_s"] > 0
+    assert 8 * 10 <= tp["output_tokens"] <= 8 * 60
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_gpu_check_refuses_without_cuda():
     proc = subprocess.run([sys.executable, "-m", "replica.gpu_check", "--device", "cuda"], cwd=ROOT,
