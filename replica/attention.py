@@ -23,6 +23,7 @@ the attention interface (Llama, Qwen2, Qwen3, Mistral, ...) runs unmodified.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -113,13 +114,12 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [num_decodes] each row's context length
 
 
-_metadata: AttentionMetadata | None = None
+_step = threading.local()  # .meta: the step the calling thread's forward runs (engines in one process each have theirs)
 _backend = None  # None: the torch path below; else attends in its place (set_backend)
 
 
 def set_metadata(meta: AttentionMetadata | None) -> None:
-    global _metadata
-    _metadata = meta
+    _step.meta = meta
 
 
 def default_backend() -> bool:
@@ -199,7 +199,7 @@ def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     The compiled step pads the batch to a size it has compiled: rows past the metadata's
     tokens are padding, not written to the pool, and come back as zeros.
     """
-    meta = _metadata
+    meta = getattr(_step, "meta", None)
     if meta is None:
         raise RuntimeError("paged attention called outside the engine's forward pass")
     if window is not None and meta.max_context > window:

@@ -79,11 +79,11 @@ static inline void NAME##_block(state *st, const float *qs, const T *kh, const T
 void NAME(const float *q, int64_t q_row_stride, const T *k_pool, const T *v_pool,                  \
           int64_t kv_head_stride, const int64_t *tables, const int64_t *offsets,                 \
           const int64_t *lens, int rows, int heads, int kv_heads, int dim, int block_size,         \
-          float *out, int64_t out_row_stride) {                                                   \
+          float *out, int64_t out_row_stride, int threads) {                                      \
     const int group = heads / kv_heads;                                                           \
     const int per_chunk = MAX_QUERIES / group;                                                    \
     const int chunks = (rows + per_chunk - 1) / per_chunk;                                        \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic)")                                     \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(threads)")                \
     for (int c = 0; c < chunks; c++) {                                                            \
         for (int h = 0; h < kv_heads; h++) {                                                      \
             state st;                                                                             \

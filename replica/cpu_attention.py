@@ -7,10 +7,11 @@ chunk of adjacent rows share (a cached prefix) once for the chunk, and does the 
 online, in float32 for fp32 and bf16 pools, parallel over (KV head, chunk of rows) on torch's
 OpenMP threads.
 
-Built at first use with the system C compiler (`cc`, or $CC) into the user's cache
-(`$XDG_CACHE_HOME/prefixgate/kernels`), keyed by the source, the flags and this CPU's feature
-flags (it is compiled for the machine it runs on), so later starts only load it. Without a
-compiler, or for shapes it does not take (see supports), attention.py keeps the torch path.
+Built at first use with the system C compiler (`gcc`, else `cc`, or $CC) into the user's cache
+(`$XDG_CACHE_HOME/prefixgate/kernels`), keyed by the source, the flags, the compiler and this
+CPU's architecture and features (it is compiled for the machine it runs on), so later starts
+only load it. Without a compiler, if building or loading fails, or for shapes it does not take
+(see supports), attention.py keeps the torch path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -30,7 +33,10 @@ import torch
 log = logging.getLogger("prefixgate.replica.cpu_attention")
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# not -ffast-math: with -shared gcc would link crtfastmath.o, whose constructor sets flush-to-zero
+# for the loading thread, changing every float operation there (the reductions only need these)
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffinite-math-only", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _DIMS = (64, 128)  # head sizes with functions of their own; others take the generic one
 
@@ -40,35 +46,50 @@ def kernel_dir() -> Path:
     return Path(base) / "prefixgate" / "kernels"
 
 
-def _cpu_flags() -> str:
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the architecture and its feature lines (x86 `flags`,
+    Arm `Features` / `CPU part`), so a shared cache never hands one CPU's build to another."""
     try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return ""
+        lines = []
+    keep = sorted({line for line in lines if line.split(":")[0].strip() in {"flags", "Features", "CPU part"}})
+    return "\n".join([platform.machine(), *keep])
 
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None if it cannot be built here."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    """The compiled kernel, built on first use; None (the torch path) if it cannot be built or
+    loaded here: no compiler, a failing build, an unwritable cache, a library that will not load."""
+    try:
+        return _build_and_load()
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
+        log.warning("CPU decode kernel unavailable, decode attention stays on the torch path: %s", e)
+        return None
+
+
+def _build_and_load() -> ctypes.CDLL | None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("gcc") or shutil.which("cc"),) if c]
+    if not compiler:
         log.warning("no C compiler: decode attention stays on the torch path")
         return None
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), " ".join(compiler).encode(),
+                                     _cpu_identity().encode()])).hexdigest()[:16]
     target = kernel_dir() / f"cpu_attention-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True)
+            result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                    capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 log.warning("building %s failed, decode attention stays on the torch path: %s",
                             SOURCE.name, result.stderr[-500:])
                 return None
             os.replace(built, target)  # atomic: concurrent replicas never load a half-written file
-    return ctypes.CDLL(str(target))  # torch's libgomp is loaded already: the kernel shares its threads
+    # gcc's -fopenmp links libgomp.so.1, the soname torch's own libgomp already loaded has: the
+    # kernel's threads are torch's pool (and it is told torch's thread count on every call)
+    return ctypes.CDLL(str(target))
 
 
 def supports(k_pool: torch.Tensor, heads: int, block_size: int) -> bool:
@@ -88,13 +109,16 @@ def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: 
     """out[r] = attention of query row r (q: [B, H, D]) over its lens[r] context tokens, whose
     blocks are tables[offsets[r]:offsets[r + 1]]; out: [B, H, D], written in place."""
     rows, heads, dim = q.shape
+    for t in (tables, offsets, lens):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("block tables, offsets and lengths must be contiguous int64 CPU tensors")
     qf = (q.float() * scale).contiguous()
     direct = out.dtype == torch.float32 and out.stride(2) == 1 and out.stride(1) == dim
-    target = out if direct else torch.empty(rows, heads, dim)
+    target = out if direct else torch.empty(rows, heads, dim, dtype=torch.float32)
     fn = getattr(library(), f"paged_decode_{_DTYPES[k_pool.dtype]}_{dim if dim in _DIMS else 'any'}")
     fn(_ptr(qf), ctypes.c_int64(qf.stride(0)), _ptr(k_pool), _ptr(v_pool), ctypes.c_int64(k_pool.stride(0)),
        _ptr(tables), _ptr(offsets), _ptr(lens), rows, heads, k_pool.shape[0], dim, block_size,
-       _ptr(target), ctypes.c_int64(target.stride(0)))
+       _ptr(target), ctypes.c_int64(target.stride(0)), torch.get_num_threads())
     if not direct:
         out.copy_(target)
 

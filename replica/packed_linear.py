@@ -9,7 +9,8 @@ reordered once into its blocked layout is faster at the batch sizes a serving st
   single-row path is better): a lone stream decodes 0.84x as fast, 16 streams 1.07x faster;
 - fp32 on AVX2 only: 1.2x to 1.9x at 1 to 64 rows (measured on an earlier machine).
 
-So every CPU model in fp32 or bf16 is packed: batches are what a replica serves for.
+So on x86 every fp32 model is packed, and every bf16 one where oneDNN has bf16 kernels: batches
+are what a replica serves for.
 The weights are the largest part of a decode step. Packed layers replace nn.Linear after
 loading and the dense weight is dropped, so memory stays the same (except a tied lm_head, whose
 embedding keeps its own copy).
@@ -22,16 +23,19 @@ same for every instance of an architecture and inductor's cache serves them all.
 
 from __future__ import annotations
 
+import platform
+import threading
+
 import torch
 from torch import nn
 
-_active: dict[str, PackedLinear] = {}
+_active = threading.local()  # .layers: what the calling thread's compiled forward resolves names to
 
 
 def activate(layers: dict[str, PackedLinear]) -> None:
-    """The layers a compiled graph's `prefixgate::packed_linear` calls resolve to (by name)."""
-    global _active
-    _active = layers
+    """The layers a compiled graph's `prefixgate::packed_linear` calls resolve to (by name), for
+    the calling thread: engines stepping on their own threads each resolve to their own model."""
+    _active.layers = layers
 
 
 def layers_of(model: nn.Module) -> dict[str, PackedLinear]:
@@ -41,7 +45,9 @@ def layers_of(model: nn.Module) -> dict[str, PackedLinear]:
 def packable(model: nn.Module) -> bool:
     """Whether packing pays for this model here (the measurements in the module docstring)."""
     p = next(model.parameters())
-    if p.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if p.device.type != "cpu" or platform.machine().lower() not in {"x86_64", "amd64"}:
+        return False  # measured on x86 only
+    if not torch.backends.mkldnn.is_available():
         return False
     if p.dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -69,7 +75,7 @@ class PackedLinear(nn.Module):
 
 @torch.library.custom_op("prefixgate::packed_linear", mutates_args=())
 def _packed_linear_op(x: torch.Tensor, name: str, out_features: int) -> torch.Tensor:
-    layer = _active[name]
+    layer = _active.layers[name]
     return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
 

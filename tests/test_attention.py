@@ -167,24 +167,32 @@ def test_sliding_window_shorter_than_the_context(tmp_path):
     assert len(out.token_ids) == 20 and engine.max_model_len == 64
 
 
-@pytest.mark.parametrize("d", [16, 64])  # the generic function and one of fixed head size
+@pytest.mark.parametrize("d", [16, 64, 128])  # the generic function and the two of fixed head size
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cpu_decode_kernel_matches_dense_attention(dtype, tol, d):
-    """replica/cpu_attention.c: rows of mixed lengths (off block boundaries, one of a single token)
-    over scattered blocks, some sharing their first blocks, 4 query heads per KV head."""
+    """replica/cpu_attention.c against dense attention, 4 query heads per KV head (8 rows make a
+    full chunk of 32 queries): rows of mixed lengths over scattered blocks, one of a single token;
+    then rows that all start with the same two blocks (read once per chunk), one of exactly those
+    two blocks, ten rows so a second chunk follows."""
     from replica import cpu_attention
 
     assert cpu_attention.library() is not None, "scripts/bootstrap.sh installs the C compiler it is built with"
     torch.manual_seed(1)
+    _check_decode_kernel(dtype, tol, d, [1, 3, 4, 9, 17, 64, 201], sharing=[False] * 4 + [True] * 3)
+    _check_decode_kernel(dtype, tol, d, [8, 16, 17, 64, 201, 9, 12, 40, 33, 100], sharing=[True] * 10)
+
+
+def _check_decode_kernel(dtype, tol, d, lengths: list[int], sharing: list[bool]) -> None:
+    from replica import cpu_attention
+
     bs, heads, kv_heads = 4, 8, 2
-    lengths = [1, 3, 4, 9, 17, 64, 201]
-    pool = KVPool.allocate(1, 200 * bs, kv_heads, d, dtype, "cpu")
+    pool = KVPool.allocate(1, 300 * bs, kv_heads, d, dtype, "cpu")
     pool.k.normal_()
     pool.v.normal_()
-    free = iter(torch.randperm(200).tolist())
-    shared = [next(free), next(free)]  # the last three rows start with the same two blocks
-    tables = [(shared if i >= 4 else []) + [next(free) for _ in range(-(-n // bs) - (2 if i >= 4 else 0))]
-              for i, n in enumerate(lengths)]
+    free = iter(torch.randperm(300).tolist())
+    shared = [next(free), next(free)]  # the rows marked sharing start with these two blocks
+    tables = [(shared if s else []) + [next(free) for _ in range(-(-n // bs) - (2 if s else 0))]
+              for n, s in zip(lengths, sharing, strict=True)]
     flat = torch.tensor([b for t in tables for b in t])
     offsets = torch.tensor([0] + [len(t) for t in tables]).cumsum(0)
     q = torch.randn(len(lengths), heads, d).to(dtype)
@@ -196,3 +204,39 @@ def test_cpu_decode_kernel_matches_dense_attention(dtype, tol, d):
         slots = torch.tensor([b * bs + o for b in tables[i] for o in range(bs)][:n])
         ref = _dense_reference(q[i], pool.k[0][:, slots].transpose(0, 1), pool.v[0][:, slots].transpose(0, 1), scale)
         assert torch.allclose(out[i].double(), ref, atol=tol, rtol=tol), (i, (out[i].double() - ref).abs().max())
+
+
+def test_cpu_decode_kernel_refuses_other_index_types():
+    from replica import cpu_attention
+
+    pool = KVPool.allocate(1, 8, 1, 16, torch.float32, "cpu")
+    q, out = torch.randn(1, 1, 16), torch.empty(1, 1, 16)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_attention.decode(q, pool.k[0], pool.v[0], torch.tensor([0], dtype=torch.int32), torch.tensor([0, 1]),
+                             torch.tensor([3]), 4, 0.25, out)
+
+
+def test_engines_stepping_on_their_own_threads_keep_their_own_steps(tiny_model_dirs):
+    """The step's metadata is per thread: two engines of one process, each stepping on its own
+    thread (as AsyncLLMEngine does), give the tokens each gives alone."""
+    import threading
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [5, 6, 7, 8, 20]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engines = {f: LLMEngine(tiny_model_dirs[f], block_size=4, num_blocks=64) for f in ("llama", "qwen2")}
+    alone = {f: [o.token_ids for o in e.generate(prompts, params)] for f, e in engines.items()}
+    for e in engines.values():
+        e.blocks.clear_cache()
+    together: dict[str, list[list[int]]] = {}
+    start = threading.Barrier(len(engines))
+
+    def run(family: str) -> None:
+        start.wait(timeout=60)
+        together[family] = [o.token_ids for o in engines[family].generate(prompts, params)]
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert together == alone
