@@ -51,6 +51,7 @@ def engine_config(config: AppConfig, model_id: str) -> EngineConfig:
         kv_disk_bytes=config.kv_disk_mb * 2**20,
         kv_disk_dir=config.kv_disk_dir,
         device=config.device,
+        dtype=config.dtype,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,

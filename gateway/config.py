@@ -37,6 +37,9 @@ def setting(default: Any = MISSING, *, help: str, factory: Any = None, flag: str
     return field(default=default, metadata=metadata)
 
 
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")  # what our engine loads a model in
+
+
 @dataclass
 class AppConfig:
     # the model and its replicas
@@ -60,6 +63,8 @@ class AppConfig:
                                       "is moved back on a hit instead of recomputed (0: none; docs/kv-tiers.md)")
     kv_disk_mb: int = setting(0, help="local-disk K/V tier per replica, MiB, below the host tier (0: none)")
     kv_disk_dir: str | None = setting(None, help="directory of the disk tier's file (default: the temp directory)")
+    dtype: str | None = setting(None, choices=ENGINE_DTYPES,
+                                help="our engine's weights and K/V dtype (default: float32 on CPU, bf16 on GPU)")
     compile: bool = setting(False, help="our engine: torch.compile the model's forward at replica start (cached across "
                                         "restarts under ~/.cache/prefixgate/inductor; docs/benchmarks.md)")
     max_num_seqs: int = setting(MAX_NUM_SEQS, help="sequences running at once per replica")
@@ -139,6 +144,11 @@ class AppConfig:
         if (self.kv_host_mb or self.kv_disk_mb) and self.engine == "vllm":
             raise ValueError("kv_host_mb / kv_disk_mb are our engine's K/V tiers; engine vllm has none of ours "
                              "(vLLM's own offloading reports its medium in its KV events, which the index keeps)")
+        if self.dtype not in (None, *ENGINE_DTYPES):
+            raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
+        if self.dtype is not None and self.engine != "model":
+            raise ValueError(f"dtype is our engine's; engine {self.engine} has none of it "
+                             "(vLLM's own: --vllm dtype=bfloat16)")
         if self.compile and self.engine != "model":
             raise ValueError(f"compile is our engine's compiled forward; engine {self.engine} has none "
                              "(vLLM's own: --vllm enforce_eager=false)")

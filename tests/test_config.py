@@ -77,7 +77,12 @@ def test_bad_settings_are_refused_with_the_setting_named(capsys):
         AppConfig(api_keys={"k": 3})
     with pytest.raises(ValueError, match="compile is our engine's"):
         AppConfig(engine="vllm", compile=True)
-    assert engine_config(AppConfig(compile=True), "m").compile  # reaches the replicas' EngineConfig
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        AppConfig.from_dict({"dtype": "fp8"})
+    with pytest.raises(ValueError, match="dtype is our engine's"):
+        AppConfig(engine="vllm", dtype="bfloat16")
+    engine = engine_config(AppConfig(compile=True, dtype="bfloat16"), "m")  # what the replicas are built from
+    assert engine.compile and engine.dtype == "bfloat16"
 
 
 def test_one_default_per_setting():
