@@ -33,10 +33,11 @@ import torch
 log = logging.getLogger("prefixgate.replica.cpu_attention")
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-# not -ffast-math: with -shared gcc would link crtfastmath.o, whose constructor sets flush-to-zero
-# for the loading thread, changing every float operation there (the reductions only need these)
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffinite-math-only", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+# compiled with -ffast-math (vectorised expf, reassociated sums) but linked without it: linking a
+# shared library with -ffast-math adds crtfastmath.o, whose constructor sets flush-to-zero for
+# the thread that loads it, changing every float operation there
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _DIMS = (64, 128)  # head sizes with functions of their own; others take the generic one
 
@@ -73,19 +74,21 @@ def _build_and_load() -> ctypes.CDLL | None:
     if not compiler:
         log.warning("no C compiler: decode attention stays on the torch path")
         return None
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), " ".join(compiler).encode(),
-                                     _cpu_identity().encode()])).hexdigest()[:16]
+    parts = [SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS), " ".join(compiler), _cpu_identity()]
+    key = hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts)).hexdigest()[:16]
     target = kernel_dir() / f"cpu_attention-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True, timeout=300)
-            if result.returncode != 0:
-                log.warning("building %s failed, decode attention stays on the torch path: %s",
-                            SOURCE.name, result.stderr[-500:])
-                return None
+            obj = Path(tmp) / "cpu_attention.o"
+            for argv in ([*compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)],
+                         [*compiler, *LINK_FLAGS, str(obj), "-o", str(built), "-lm"]):
+                result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+                if result.returncode != 0:
+                    log.warning("building %s failed, decode attention stays on the torch path: %s",
+                                SOURCE.name, result.stderr[-500:])
+                    return None
             os.replace(built, target)  # atomic: concurrent replicas never load a half-written file
     # gcc's -fopenmp links libgomp.so.1, the soname torch's own libgomp already loaded has: the
     # kernel's threads are torch's pool (and it is told torch's thread count on every call)
