@@ -118,12 +118,18 @@ def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: 
     qf = (q.float() * scale).contiguous()
     direct = out.dtype == torch.float32 and out.stride(2) == 1 and out.stride(1) == dim
     target = out if direct else torch.empty(rows, heads, dim, dtype=torch.float32)
-    fn = getattr(library(), f"paged_decode_{_DTYPES[k_pool.dtype]}_{dim if dim in _DIMS else 'any'}")
+    fn = _function(k_pool.dtype, dim)
     fn(_ptr(qf), ctypes.c_int64(qf.stride(0)), _ptr(k_pool), _ptr(v_pool), ctypes.c_int64(k_pool.stride(0)),
        _ptr(tables), _ptr(offsets), _ptr(lens), rows, heads, k_pool.shape[0], dim, block_size,
        _ptr(target), ctypes.c_int64(target.stride(0)), torch.get_num_threads())
     if not direct:
         out.copy_(target)
+
+
+@cache
+def _function(dtype: torch.dtype, dim: int):
+    """The kernel's entry point for this pool dtype and head size (resolved once, not per layer)."""
+    return getattr(library(), f"paged_decode_{_DTYPES[dtype]}_{dim if dim in _DIMS else 'any'}")
 
 
 def _ptr(t: torch.Tensor) -> ctypes.c_void_p:

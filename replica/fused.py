@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sys
 import types
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,23 +24,19 @@ FUSED_ATTENTION = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attenti
 FUSED_MLP = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 
 
-@dataclass
-class FusionStats:
-    attention: int = 0
-    mlp: int = 0
-
-
-def fuse_projections(model: nn.Module) -> FusionStats:
-    stats = FusionStats()
+def fuse_projections(model: nn.Module) -> int:
+    """Fuses every known attention and MLP module in place; returns how many."""
+    fused = 0
     for module in model.modules():
         name = type(module).__name__
         if name in FUSED_ATTENTION:
             _fuse_attention(module)
-            stats.attention += 1
         elif name in FUSED_MLP:
             _fuse_mlp(module)
-            stats.mlp += 1
-    return stats
+        else:
+            continue
+        fused += 1
+    return fused
 
 
 def concat_linear(parts: list[nn.Linear]) -> nn.Linear:

@@ -23,7 +23,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     max_position_embeddings: int
-    num_heads: int = 0  # query heads
+    num_heads: int  # query heads
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -53,7 +53,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    cpu_decode = False  # decode attention through replica/cpu_attention.py's kernel (set at load when it can)
+    cpu_decode = False  # no C decode kernel unless __init__ finds one that takes the pool (triton_check builds
+    # runners without __init__ and reads this default)
 
     def __init__(
         self, model_path: str, *, block_size: int, num_blocks: int, device: torch.device, dtype: torch.dtype,
@@ -72,12 +73,13 @@ class ModelRunner:
         self.shape = ModelShape.from_config(self.model.config)
         limit = self.shape.max_position_embeddings
         attention.check_supported(self.model, min(max_model_len or limit, limit))
-        self.fusion = fused.fuse_projections(self.model)
+        fused.fuse_projections(self.model)
         if packed_linear.packable(self.model):
             packed_linear.pack_linears(self.model)
         self.pool = KVPool.allocate(
             self.shape.num_layers, num_blocks * block_size, self.shape.num_kv_heads, self.shape.head_dim, dtype, device
         )
+        # decode attention through replica/cpu_attention.py's kernel where it takes this pool
         self.cpu_decode = cpu_attention.supports(self.pool.k[0], self.shape.num_heads, block_size)
         self.compiled: CompiledForward | None = None
         self.compile_stats: CompileStats | None = None

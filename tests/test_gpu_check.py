@@ -45,7 +45,7 @@ def test_gpu_check_smoke_compiled_throughput(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     tp = json.loads(out.read_text())["throughput"]
-    assert tp["compiled_graphs"] == 1 and tp["compile_s"] > 0
+    assert tp["compiled_graphs"] == 1 and tp["compile_s"] is not None  # compiled at start, before any request
     assert 8 * 10 <= tp["output_tokens"] <= 8 * 60
 
 
