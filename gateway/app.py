@@ -16,12 +16,12 @@ from ray.serve.config import RequestRouterConfig
 
 from gateway.config import AppConfig
 from gateway.server import Gateway
+from replica.backends.engine_protocol import ENGINE_NAMES
+from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings, vllm_python
+from replica.core.engine_types import EngineConfig
 from replica.default_model import DEFAULT_MODEL_NAME
-from replica.deployment import PrefixCacheReplica
-from replica.engine_protocol import ENGINE_NAMES
-from replica.engine_types import EngineConfig
-from replica.replica_settings import ReplicaSettings
-from replica.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings, vllm_python
+from replica.serve.deployment import PrefixCacheReplica
+from replica.serve.replica_settings import ReplicaSettings
 from router import registry
 
 ENGINES = ENGINE_NAMES
@@ -113,8 +113,8 @@ def sim_settings(config: AppConfig, model_id: str) -> dict | None:
         return None
     from dataclasses import asdict
 
+    from replica.backends.sim_engine import SimEngineConfig
     from replica.default_model import resolve_model
-    from replica.sim_engine import SimEngineConfig
 
     sim = SimEngineConfig.for_model_dir(
         resolve_model(config.model), model_id=model_id, block_size=config.block_size,

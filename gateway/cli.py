@@ -42,7 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.stack import LocalStack
     from gateway.startup import StackNotReady
     from replica.default_model import resolve_model
-    from router.redis_index import redact
+    from router.index.redis_index import redact
 
     shutdown.install()  # SIGTERM/SIGINT from here on, start-up included, end in stack.stop() and exit 0
     shutdown.become_subreaper()  # and what the stack starts cannot outlive it unseen
@@ -135,9 +135,9 @@ def _delegate(name: str, rest: list[str]) -> int:
     elif name == "loadtest":
         from loadtest.cli import main as entry
     elif name == "bench_engine":
-        from replica.bench import main as entry
+        from loadtest.bench.engine_bench import main as entry
     else:
-        from router.bench import main as entry
+        from loadtest.bench.router_bench import main as entry
     return entry(rest)
 
 

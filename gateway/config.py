@@ -2,7 +2,7 @@
 flags (generated from these fields by gateway/config_cli.py), tests and the stack share it.
 
 Each field carries its one default (the engine's and the router's come from where those
-components define them: replica/engine_types.py, router/router_options.py) and its help text.
+components define them: replica/core/engine_types.py, router/router_options.py) and its help text.
 Adding a serve option is adding one field here (docs/configuration.md).
 """
 
@@ -13,8 +13,8 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from replica.engine_protocol import ENGINE_NAMES
-from replica.engine_types import KV_CACHE_MB, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from replica.backends.engine_protocol import ENGINE_NAMES
+from replica.core.engine_types import KV_CACHE_MB, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from router.protocol.messages import KEEPALIVE_S
 from router.registry import aliases as policy_aliases
 from router.registry import help_text as policy_help
@@ -70,10 +70,10 @@ class AppConfig:
     max_num_seqs: int = setting(MAX_NUM_SEQS, help="sequences running at once per replica")
     max_num_batched_tokens: int = setting(MAX_NUM_BATCHED_TOKENS, help="tokens per engine step (the prefill chunk, decodes included)")
     max_model_len: int | None = setting(4096, help="longest prompt + output, tokens (None: the model's)")
-    vllm: dict = setting(factory=dict, help="engine vllm: VllmSettings overrides (replica/vllm_settings.py)")
+    vllm: dict = setting(factory=dict, help="engine vllm: VllmSettings overrides (replica/backends/vllm_settings.py)")
     vllm_python: str | None = setting(None, help="engine vllm: the replicas' interpreter (default: .venv-vllm beside the checkout)")
     time_scale: float = setting(1.0, help="engine sim: run the service model this many times faster in wall time")
-    sim_service: dict[str, float] = setting(factory=dict, help="engine sim: ServiceModel field overrides (router/sim/service.py)")
+    sim_service: dict[str, float] = setting(factory=dict, help="engine sim: ServiceModel field overrides (router/costs/service.py)")
     sim_transfer: dict[str, float] = setting(factory=dict, help="engine sim: pull and tier model (SimEngineConfig kv_bytes_per_token, pull_*, "
                                                                   "host_blocks, disk_blocks, kv_host_bytes_per_s, kv_disk_bytes_per_s)")
     sim_replica_num_cpus: float = setting(0.05, flag="--sim-replica-cpus", help="engine sim: Ray CPUs reserved per replica (many fit on a core)")
@@ -131,7 +131,7 @@ class AppConfig:
         if self.engine not in ENGINE_NAMES:
             raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINE_NAMES)}")
         if self.block_size is None:
-            from replica.vllm_settings import VLLM_BLOCK_MULTIPLE
+            from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE
 
             self.block_size = VLLM_BLOCK_MULTIPLE if self.engine == "vllm" else 16
         # a working replica sends a keepalive every KEEPALIVE_S (K/V pulls included): a guard

@@ -18,7 +18,7 @@ log = logging.getLogger("prefixgate.health")
 
 async def check_redis(gw) -> str | None:
     """None when Redis answers a ping; else the problem, naming the URL (password redacted)."""
-    from router.redis_index import connect, redact
+    from router.index.redis_index import connect, redact
 
     url = gw.config.redis_url
     error: Exception | None = None

@@ -1,7 +1,7 @@
 """Logprobs in OpenAI's response shapes, from the per-token entries replicas send in delta chunks.
 
 A replica sends, per generated token, {"token", "bytes", "logprob", "top": [{"token", "bytes",
-"logprob"}, ...]} (replica/token_text.py). Chat answers `{"content": [{token, logprob, bytes,
+"logprob"}, ...]} (replica/model/token_text.py). Chat answers `{"content": [{token, logprob, bytes,
 top_logprobs}]}`; completions answer the legacy parallel lists with a character `text_offset`.
 """
 

@@ -53,7 +53,7 @@ class ResponseFormat(_Strict):
         return self
 
     def engine_format(self) -> dict[str, Any] | None:
-        """What the replica's constrained decoding takes (replica/constrained.py)."""
+        """What the replica's constrained decoding takes (replica/model/constrained.py)."""
         if self.type == "json_object":
             return {"type": "json_object"}
         if self.type == "json_schema":

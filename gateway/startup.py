@@ -12,7 +12,7 @@ class StackNotReady(TimeoutError):
 
 def not_ready_report(timeout_s: float, last_answer: str | None, config, app_name: str | None = None) -> str:
     from gateway.health import serve_problems
-    from router.redis_index import redact
+    from router.index.redis_index import redact
 
     lines = [f"the app {app_name or ''!r} was not ready (waited up to {timeout_s:.0f}s)"]
     if last_answer:

@@ -22,13 +22,13 @@ from pathlib import Path
 
 from loadtest.fleet_report import FleetResult, RunSettings, live_result, sim_result
 from loadtest.trace_replay import ReplaySettings, replay
+from router.costs.service import ServiceModel
+from router.costs.transfer_model import TransferModel
 from router.protocol.redis_schema import LOOKUP_TIMEOUT_S
 from router.sim.cli import BASE_REPLICAS, capacity_blocks, make_transfer
-from router.sim.service import ServiceModel
 from router.sim.tiers import TierConfig
 from router.sim.trace import load_rows, scale_rows, scale_service, scale_transfer, split_fitting
 from router.sim.workload import SimRequest, distinct_blocks
-from router.transfer_model import TransferModel
 
 MAX_STEP_LAG = 0.10  # a live run whose replicas fall further behind the model is invalid
 MAX_FALLBACK = 0.02  # nor one whose routers decided this often without the index (Redis lookups

@@ -29,8 +29,8 @@ from loadtest.fleet import (
 )
 from loadtest.fleet_report import FleetResult, RunSettings, format_side_by_side, oracles, sim_result
 from router import registry
+from router.costs.service import ServiceModel
 from router.sim.cli import add_tier_flags, default_trace, parse_overrides
-from router.sim.service import ServiceModel
 
 
 def _rows_args(p: argparse.ArgumentParser) -> None:

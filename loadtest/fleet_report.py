@@ -14,12 +14,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from router import registry
+from router.costs.service import ServiceModel
 from router.policy import make_policy
 from router.sim.cli import make_transfer
 from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import percentile, window_imbalance
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
-from router.sim.service import ServiceModel
 from router.sim.tiers import TierConfig
 from router.sim.trace import scale_service, scale_transfer
 from router.sim.workload import SimRequest

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from replica.engine_types import EngineStats, RequestOutput
+from replica.core.engine_types import EngineStats, RequestOutput
 from router.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the sim engine duck-types it; importing it at run time would load torch

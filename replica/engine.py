@@ -17,17 +17,17 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from replica import kv_transfer
-from replica.constrained import Grammars
+from replica.core.detokenizer import Detokenizer
+from replica.core.engine_core import EngineCore
+from replica.core.engine_types import EngineConfig, InvalidRequestError, RequestOutput
+from replica.core.sequence import Sequence
 from replica.default_model import resolve_model
-from replica.detokenizer import Detokenizer
-from replica.engine_core import EngineCore
-from replica.engine_types import EngineConfig, InvalidRequestError, RequestOutput
-from replica.kv_tier_store import TierStore
-from replica.model_runner import ModelRunner, default_dtype
-from replica.sampler import Sampler
-from replica.sequence import Sequence
-from replica.token_text import TokenText
+from replica.kv_io import kv_transfer
+from replica.kv_io.kv_tier_store import TierStore
+from replica.model.constrained import Grammars
+from replica.model.model_runner import ModelRunner, default_dtype
+from replica.model.sampler import Sampler
+from replica.model.token_text import TokenText
 from router.protocol.sampling import SamplingParams
 
 log = logging.getLogger("prefixgate.replica.engine")

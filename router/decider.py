@@ -17,10 +17,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from router.index.redis_index import Lookup
 from router.load_table import LoadTable
 from router.policy import Decision, Policy, ReplicaView, RouteRequest
 from router.protocol.media import DISK, HOST
-from router.redis_index import Lookup
 
 # How long a router remembers where it sent each prefix, for `stale` decisions when Redis is
 # away (the fresh path counts only INFLIGHT_TTL_S). A replica usually still holds what it was

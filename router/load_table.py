@@ -14,9 +14,9 @@ import random
 import time
 from collections.abc import Iterable
 
+from router.costs.transfer_model import fleet_rate
+from router.index.redis_index import IndexUnavailable, RedisIndex
 from router.protocol.redis_schema import LOAD_FIELDS, parse_heartbeat
-from router.redis_index import IndexUnavailable, RedisIndex
-from router.transfer_model import fleet_rate
 
 log = logging.getLogger("prefixgate.router")
 

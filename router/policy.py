@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import xxhash
 
 from router import registry
+from router.costs.transfer_model import TransferModel
 from router.protocol.media import DISK, HOST
 from router.registry import register_policy
-from router.transfer_model import TransferModel
 
 
 @dataclass
@@ -284,7 +284,7 @@ class AffinityPullPolicy(AffinityPolicy):
     higher): a hot replica's conversation moves to an idle one once the idle one's pull is
     cheaper than the hot one's queue, and a hit is kept local otherwise. The source may be a
     replica the router only just sent the prefix to (its in-flight memory); a pull that finds
-    nothing there recomputes (replica/kv_pull.py). `copy_weight` charges a pulled token for the duplicate it leaves (a copy
+    nothing there recomputes (replica/kv_io/kv_pull.py). `copy_weight` charges a pulled token for the duplicate it leaves (a copy
     evicts someone else's blocks, as a recomputed one does; miss_weight's reason, without its
     prefill time), which keeps conversations home while queues are short: without it the
     balance tie-break scatters them and the copies shrink the fleet's effective cache.

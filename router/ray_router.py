@@ -32,13 +32,13 @@ from ray.serve.request_router import (
 )
 
 from router.decider import STALE_MEMORY_S, Decider, InflightPrefixes, Routed, SessionMemory
+from router.index.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 from router.load_table import LoadTable
 from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.messages import GenerateRequest, KvSource, RouteDecision
 from router.protocol.redis_schema import INFLIGHT_TTL_S
-from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 from router.router_options import RouterOptions
 
 log = logging.getLogger("prefixgate.router")

@@ -27,7 +27,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.index_writer import Event, IndexWriter
+from router.index.index_writer import Event, IndexWriter
+from router.index.redis_index import Client, open_client
 from router.protocol.events import (
     AllBlocksCleared,
     BlockHash,
@@ -40,7 +41,6 @@ from router.protocol.events import (
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.media import DEVICE, MEDIA, UnknownMedium, parse_medium
 from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS, RedisKeys
-from router.redis_index import Client, open_client
 from router.router_options import PUBLISH_DEPTH
 
 log = logging.getLogger("prefixgate.vllm_events")
@@ -138,7 +138,7 @@ class EventTranslator:
         return [(op, [h for h, _ in blocks], medium) for op, blocks, medium in self._writes(batch)]
 
     def feed(self, batch: KVEventBatch, listeners: list) -> None:
-        """One batch into KVEventListeners (replica/block_manager.py), e.g. a replica's own
+        """One batch into KVEventListeners (replica/kvcache/block_manager.py), e.g. a replica's own
         BlockPublisher: the vLLM backend publishes through the same path as our engine."""
         for op, blocks, medium in self._writes(batch):
             for listener in listeners:

@@ -1,6 +1,6 @@
 """Decode cascades on against off, interleaved in one process (docs/benchmarks.md).
 
-Runs the engine benchmark's shared-prompt batch (replica/bench.py) with the per-prefix decode
+Runs the engine benchmark's shared-prompt batch (loadtest/bench/engine_bench.py) with the per-prefix decode
 cascades at their default threshold and with them out of reach, alternating rounds so machine
 load hits both alike, and prints each round's output tok/s and the median ratio on/off:
 
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-import replica.model_runner as model_runner
-from replica.bench import batch_prompts, warm_up
+import replica.model.model_runner as model_runner
+from loadtest.bench.engine_bench import batch_prompts, warm_up
 from replica.engine import LLMEngine
 from router.protocol.sampling import SamplingParams
 

@@ -8,7 +8,7 @@ per round, on fresh random prompts of --prefix tokens plus a 16-token question:
   pulled  replica B gets P with a pull hint naming A: pulls the prefix, computes the rest
   cold    replica B gets a fresh prompt Q of the same length: computes it all
 (pulled and cold alternate in order from round to round). Requests go to the chosen replica
-through its actor (replica/kv_pull.py's ReplicaCaller), max_tokens 1, greedy; TTFT is from
+through its actor (replica/kv_io/kv_pull.py's ReplicaCaller), max_tokens 1, greedy; TTFT is from
 the call to the first token at the client. Prints medians, their ratio, bytes moved per pull,
 pull latency and the rates B measured (what its heartbeat reports). docs/kv-pull.md has results.
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.config import AppConfig  # noqa: E402
 from gateway.local_redis import free_port  # noqa: E402
 from gateway.stack import APP_NAME, LocalStack  # noqa: E402
-from replica.kv_pull import ReplicaCaller  # noqa: E402
+from replica.kv_io.kv_pull import ReplicaCaller  # noqa: E402
 from router.protocol.messages import (  # noqa: E402
     DeltaChunk,
     EndChunk,

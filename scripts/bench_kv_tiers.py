@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from replica.default_model import resolve_model  # noqa: E402
 from replica.engine import LLMEngine, SamplingParams  # noqa: E402
-from replica.model_runner import ModelRunner  # noqa: E402
+from replica.model.model_runner import ModelRunner  # noqa: E402
 from router.protocol.media import DISK, HOST  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)

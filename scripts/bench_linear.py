@@ -1,4 +1,4 @@
-"""F.linear against replica/packed_linear.py's oneDNN-packed weights, on the default model's
+"""F.linear against replica/model/packed_linear.py's oneDNN-packed weights, on the default model's
 linear shapes (fused q/k/v and gate/up included), interleaved, at the row counts a step has.
 
     flock /tmp/prefixgate-heavy.lock .venv/bin/python scripts/bench_linear.py [--dtype bfloat16]

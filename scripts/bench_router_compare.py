@@ -2,8 +2,8 @@
 
 `prefixgate bench router` times one version of the decision path. To show what a change to
 it buys, this script loads `router/decider.py`, `router/load_table.py` and
-`router/redis_index.py` as they were at `--before` (from git) next to the working tree's, publishes the same index as the benchmark
-(router.bench.populate) into one private redis-server, and runs the two versions at the same
+`router/index/redis_index.py` as they were at `--before` (from git) next to the working tree's, publishes the same index as the benchmark
+(loadtest.bench.router_bench.populate) into one private redis-server, and runs the two versions at the same
 time in two processes (each its own event loop: one version's background load-table refresh
 must not stall the other's decisions), each alternating its decisions between the fleet
 sizes, so machine noise falls on all of them alike. Each decision is what
@@ -35,13 +35,13 @@ from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache  # noqa: E402
 
 from gateway.local_redis import LocalRedis  # noqa: E402
-from router.bench import BLOCK, SYSTEM_TOKENS, _client, populate  # noqa: E402
+from loadtest.bench.router_bench import BLOCK, SYSTEM_TOKENS, _client, populate  # noqa: E402
 from router.decider import Decider, InflightPrefixes  # noqa: E402
+from router.index.redis_index import RedisConfig, RedisIndex  # noqa: E402
 from router.load_table import LoadTable  # noqa: E402
 from router.policy import RouteRequest, make_policy  # noqa: E402
 from router.protocol.hashing import block_hashes, chain_seed  # noqa: E402
 from router.protocol.redis_schema import RedisKeys  # noqa: E402
-from router.redis_index import RedisConfig, RedisIndex  # noqa: E402
 
 
 def load_old(commit: str, tmp: Path):

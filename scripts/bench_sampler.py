@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replica.sampler import Sampler
+from replica.model.sampler import Sampler
 from router.protocol.sampling import SamplingParams
 
 

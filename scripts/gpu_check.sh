@@ -8,7 +8,7 @@
 #   scripts/gpu_check.sh --attention triton  # parity and throughput on the Triton kernels
 #   scripts/gpu_check.sh --compile          # parity and throughput through the compiled forward
 #   scripts/gpu_check.sh --smoke             # the same code paths, tiny, on CPU (run by the tests)
-#   scripts/gpu_check.sh --json out.json     # extra arguments go to python -m replica.gpu_check
+#   scripts/gpu_check.sh --json out.json     # extra arguments go to python -m loadtest.device.gpu_check
 #
 # Needs torch, transformers, triton and xxhash (no Ray, no Redis). PYTHON overrides the interpreter.
 set -euo pipefail
@@ -16,4 +16,4 @@ cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-exec "$PYTHON" -m replica.gpu_check "$@"
+exec "$PYTHON" -m loadtest.device.gpu_check "$@"

@@ -8,17 +8,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica import attention
-from replica.attention import (
+from replica.core.scheduler import ScheduledChunk
+from replica.core.sequence import Sequence
+from replica.engine import LLMEngine, SamplingParams
+from replica.kernels import attention
+from replica.kernels.attention import (
     AttentionMetadata,
     DecodeCascade,
     DecodeGroup,
     KVPool,
     UnsupportedModelError,
 )
-from replica.engine import LLMEngine, SamplingParams
-from replica.scheduler import ScheduledChunk
-from replica.sequence import Sequence
 
 
 @settings(max_examples=200, deadline=None)
@@ -90,7 +90,7 @@ def test_grouped_decode_matches_dense_attention(dtype, tol, shared):
 def test_decodes_cluster_by_the_physical_prefix_they_share():
     """Two copies of a system prompt (computed by requests admitted in the same step) give two
     cascades; rows sharing too little to be worth one are attended without a prefix."""
-    from replica.model_runner import _prefix_clusters
+    from replica.model.model_runner import _prefix_clusters
 
     def chunk(blocks, n, rid):
         seq = Sequence(list(range(n)), SamplingParams(), hash_seed=0, request_id=rid)
@@ -110,9 +110,9 @@ def test_decodes_cluster_by_the_physical_prefix_they_share():
 
 def test_shared_prefix_is_found_and_bounded():
     """The runner finds the blocks all decodes share, never including a row's current token."""
-    from replica.model_runner import _common_prefix_blocks
-    from replica.scheduler import ScheduledChunk
-    from replica.sequence import Sequence
+    from replica.core.scheduler import ScheduledChunk
+    from replica.core.sequence import Sequence
+    from replica.model.model_runner import _common_prefix_blocks
 
     def chunk(blocks, n):
         seq = Sequence(list(range(n)), SamplingParams(), hash_seed=0)
@@ -170,11 +170,11 @@ def test_sliding_window_shorter_than_the_context(tmp_path):
 @pytest.mark.parametrize("d", [16, 64, 128])  # the generic function and the two of fixed head size
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cpu_decode_kernel_matches_dense_attention(dtype, tol, d):
-    """replica/cpu_attention.c against dense attention, 4 query heads per KV head (8 rows make a
+    """replica/kernels/cpu_attention.c against dense attention, 4 query heads per KV head (8 rows make a
     full chunk of 32 queries): rows of mixed lengths over scattered blocks, one of a single token;
     then rows that all start with the same two blocks (read once per chunk), one of exactly those
     two blocks, ten rows so a second chunk follows."""
-    from replica import cpu_attention
+    from replica.kernels import cpu_attention
 
     assert cpu_attention.library() is not None, "scripts/bootstrap.sh installs the C compiler it is built with"
     torch.manual_seed(1)
@@ -183,7 +183,7 @@ def test_cpu_decode_kernel_matches_dense_attention(dtype, tol, d):
 
 
 def _check_decode_kernel(dtype, tol, d, lengths: list[int], sharing: list[bool]) -> None:
-    from replica import cpu_attention
+    from replica.kernels import cpu_attention
 
     bs, heads, kv_heads = 4, 8, 2
     pool = KVPool.allocate(1, 300 * bs, kv_heads, d, dtype, "cpu")
@@ -207,7 +207,7 @@ def _check_decode_kernel(dtype, tol, d, lengths: list[int], sharing: list[bool])
 
 
 def test_cpu_decode_kernel_refuses_other_index_types():
-    from replica import cpu_attention
+    from replica.kernels import cpu_attention
 
     pool = KVPool.allocate(1, 8, 1, 16, torch.float32, "cpu")
     q, out = torch.randn(1, 1, 16), torch.empty(1, 1, 16)

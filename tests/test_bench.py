@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from replica import bench
+from loadtest.bench import engine_bench as bench
 
 
 def test_bench_engine_figures_are_consistent(tiny_model_dirs, tmp_path, capsys):

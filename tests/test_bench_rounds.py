@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from replica import bench
+from loadtest.bench import engine_bench as bench
 
 
 def test_interleaved_rounds_report_medians(tiny_model_dirs, tmp_path, capsys):

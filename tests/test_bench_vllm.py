@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from replica import bench, bench_vllm
+from loadtest.bench import engine_bench as bench
+from loadtest.bench import vllm_bench as bench_vllm
 
 
 def test_rounds_medians_and_ratio():

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.block_manager import BlockManager, BlockTable
+from replica.kvcache.block_manager import BlockManager, BlockTable
 from router.protocol.hashing import block_hashes
 
 BS = 4

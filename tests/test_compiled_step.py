@@ -1,7 +1,7 @@
 """The compiled tests (the rest of the suite runs eager): EngineConfig(compile=True) gives the
 same greedy tokens as the eager engine and as transformers, from one graph compiled at start
 for every batch size, so no request pays a compile; in fp32 for every tiny family, and in bf16
-within its tie rules (replica/parity.py, as tests/test_engine_bf16.py checks the eager path)."""
+within its tie rules (loadtest/device/parity.py, as tests/test_engine_bf16.py checks the eager path)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
-from replica import parity
+from loadtest.device import parity
 from replica.engine import LLMEngine, SamplingParams
 from tests.conftest import reference_greedy
 

@@ -11,8 +11,8 @@ import pytest
 from gateway.app import engine_config, router_config
 from gateway.cli import config_from_args, main
 from gateway.config import AppConfig
-from replica.engine_types import EngineConfig
-from replica.replica_settings import ReplicaSettings
+from replica.core.engine_types import EngineConfig
+from replica.serve.replica_settings import ReplicaSettings
 from router.router_options import RouterOptions
 
 

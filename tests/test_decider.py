@@ -8,9 +8,9 @@ import asyncio
 import time
 
 from router.decider import Decider, InflightPrefixes
+from router.index.redis_index import Lookup, RedisConfig, RedisIndex, ReplicaEntry
 from router.load_table import LoadTable
 from router.policy import RouteRequest, make_policy
-from router.redis_index import Lookup, RedisConfig, RedisIndex, ReplicaEntry
 
 BS = 16
 

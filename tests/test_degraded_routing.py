@@ -11,9 +11,9 @@ import time
 import pytest
 
 from router.decider import Decider, InflightPrefixes, Routed, SessionMemory
+from router.index.redis_index import RedisConfig, RedisIndex
 from router.load_table import LoadTable
 from router.policy import Decision, RouteRequest, make_policy
-from router.redis_index import RedisConfig, RedisIndex
 
 BS = 16
 IDS = [f"r{i}" for i in range(8)]
@@ -140,8 +140,8 @@ def test_a_timed_out_lookup_keeps_the_load_table(redis_server):
 
     import redis
 
+    from router.index.redis_index import IndexUnavailable
     from router.protocol.redis_schema import LOAD_FIELDS, RedisKeys
-    from router.redis_index import IndexUnavailable
 
     prefix = f"deg-{uuid.uuid4().hex[:6]}"
     keys = RedisKeys(prefix)

@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from replica.detokenizer import PROMPT_CONTEXT, Detokenizer
-from replica.sequence import Sequence, Status
+from replica.core.detokenizer import PROMPT_CONTEXT, Detokenizer
+from replica.core.sequence import Sequence, Status
 from router.protocol.sampling import SamplingParams
 
 

@@ -1,6 +1,6 @@
 """bf16 end to end on CPU: greedy tokens equal transformers' own bf16 generation for the tiny
 model families, with prefix hits, chunked prefill and decodes of mixed lengths in one batch.
-The check itself lives in replica/parity.py, which scripts/gpu_check.sh runs on CUDA.
+The check itself lives in loadtest/device/parity.py, which scripts/gpu_check.sh runs on CUDA.
 
 Tiny models at the default init (std 0.02) have nearly flat logits, so bf16 rounding produces
 exact ties (seen: two logits both 0.373046875, where fp32 picks our token); these use std 0.1.
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from replica import parity
+from loadtest.device import parity
 
 DEVICE = os.environ.get("PREFIXGATE_TEST_DEVICE", "cpu")
 

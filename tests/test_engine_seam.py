@@ -10,10 +10,10 @@ import torch
 from gateway.app import vllm_settings
 from gateway.config import AppConfig
 from gateway.openai_models import CompletionRequest
-from replica.engine_protocol import Capabilities, EngineBackend, ModelFacts
-from replica.local_backend import LocalBackend
-from replica.replica_settings import ReplicaSettings
-from replica.sampler import Sampler
+from replica.backends.engine_protocol import Capabilities, EngineBackend, ModelFacts
+from replica.backends.local_backend import LocalBackend
+from replica.model.sampler import Sampler
+from replica.serve.replica_settings import ReplicaSettings
 from router.decider import Decider
 from router.policy import AffinityPullPolicy, ReplicaView, RouteRequest
 from router.protocol.sampling import SamplingParams
@@ -99,8 +99,8 @@ def test_gateway_passes_ignore_eos_and_min_tokens_to_the_engine():
 
 
 def test_our_backends_implement_the_protocol_and_declare_pulls(tiny_model_dirs):
+    from replica.backends.sim_engine import SimEngine
     from replica.engine import LLMEngine
-    from replica.sim_engine import SimEngine
 
     sim = LocalBackend(SimEngine(num_blocks=32), "sim")
     real = LocalBackend(LLMEngine(next(iter(tiny_model_dirs.values())), num_blocks=32), "model")

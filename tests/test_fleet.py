@@ -16,9 +16,9 @@ from loadtest.fleet import (
     worst_step_lag,
 )
 from loadtest.fleet_report import RunSettings, format_side_by_side, live_result, oracles, sim_result
+from router.costs.service import ServiceModel
 from router.protocol.hashing import block_hashes, chain_seed
 from router.sim.cli import default_trace
-from router.sim.service import ServiceModel
 from router.sim.trace import (
     block_tokens,
     prompt_tokens,

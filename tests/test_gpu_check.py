@@ -51,6 +51,6 @@ def test_gpu_check_smoke_compiled_throughput(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_gpu_check_refuses_without_cuda():
-    proc = subprocess.run([sys.executable, "-m", "replica.gpu_check", "--device", "cuda"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "loadtest.device.gpu_check", "--device", "cuda"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--smoke" in proc.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from router.bench import main
+from loadtest.bench.router_bench import main
 
 
 def test_commands_and_scored_replicas_do_not_grow_with_the_fleet(tmp_path):

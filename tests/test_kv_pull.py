@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replica import kv_transfer
-from replica.block_manager import BlockManager, BlockTable
+from replica.kv_io import kv_transfer
+from replica.kvcache.block_manager import BlockManager, BlockTable
 from router.protocol.hashing import block_hashes
 from router.protocol.sampling import SamplingParams
 from tests.conftest import TINY_FAMILIES
@@ -263,7 +263,7 @@ def test_export_through_the_engine_loop_demotes_the_holders_copy(tiny_model_dirs
     import asyncio
 
     from replica.async_engine import AsyncLLMEngine
-    from replica.kv_pull import KvPuller
+    from replica.kv_io.kv_pull import KvPuller
 
     engine = _engine(tiny_model_dirs["llama"])
     prompt, other = _prompt(42, seed=8), _prompt(42, seed=9)
@@ -292,7 +292,7 @@ def test_slow_or_failing_holder_means_recompute(tiny_model_dirs):
     import asyncio
 
     from replica.async_engine import AsyncLLMEngine
-    from replica.kv_pull import KvPullConfig, KvPuller
+    from replica.kv_io.kv_pull import KvPullConfig, KvPuller
     from router.protocol.messages import KvSource
 
     class Holder:  # stands in for the transport: what the holder's side answers
@@ -335,7 +335,7 @@ def test_export_cancelled_after_the_pin_ran_releases_the_pins(tiny_model_dirs):
     import threading
 
     from replica.async_engine import AsyncLLMEngine
-    from replica.kv_pull import KvPuller
+    from replica.kv_io.kv_pull import KvPuller
 
     engine = _engine(tiny_model_dirs["llama"])
     prompt = _prompt(42, seed=12)
@@ -393,8 +393,8 @@ def test_pulls_in_flight_count_in_the_heartbeat_load(tiny_model_dirs):
     import asyncio
 
     from replica.async_engine import AsyncLLMEngine
-    from replica.kv_pull import KvPuller
-    from replica.pull_load import add_pull_load
+    from replica.kv_io.kv_pull import KvPuller
+    from replica.kv_io.pull_load import add_pull_load
     from router.protocol.messages import KvSource
 
     class GatedHolder:
@@ -431,7 +431,7 @@ def test_pulls_in_flight_count_in_the_heartbeat_load(tiny_model_dirs):
 def test_measured_pull_rate_expires_to_not_measured():
     """One slow pull must not price pulls out for good: with no pull for rate_ttl_s the rate
     reads 0 (the router's default applies), and the next pull is measured afresh."""
-    from replica.kv_pull import KvPullConfig, KvPuller
+    from replica.kv_io.kv_pull import KvPullConfig, KvPuller
 
     now = [1000.0]
     puller = KvPuller(None, "me", KvPullConfig(rate_ttl_s=60.0), clock=lambda: now[0])  # type: ignore[arg-type]
@@ -450,9 +450,9 @@ def test_every_pull_pricing_field_is_a_heartbeat_field():
     """The routers read only LOAD_FIELDS: a misspelt key would silently leave the router
     on its defaults. Covers the puller's measured rates, the sim engine's modelled ones and the
     K/V size per token, as the replica's heartbeat assembles them."""
-    from replica.kv_pull import KvPuller
-    from replica.pull_load import add_pull_load
-    from replica.sim_engine import SimEngine
+    from replica.backends.sim_engine import SimEngine
+    from replica.kv_io.kv_pull import KvPuller
+    from replica.kv_io.pull_load import add_pull_load
     from router.protocol.redis_schema import LOAD_FIELDS, Heartbeat
 
     puller = KvPuller(None, "me")  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """Pulls between two real Serve replicas of the real model (the session `stack`), issue 15.
 
-Requests go to a chosen replica through its actor (replica/kv_pull.py's ReplicaCaller, the
+Requests go to a chosen replica through its actor (replica/kv_io/kv_pull.py's ReplicaCaller, the
 call Serve's handles make), so the test decides who holds a prefix and who pulls it. Greedy
 output after a pull must equal the holder's own cold computation; the pulled blocks must reach
 the index like computed ones; a pull that cannot succeed (holder lacks the blocks, holder
@@ -19,7 +19,7 @@ import time
 import pytest
 import redis
 
-from replica.kv_pull import ReplicaCaller
+from replica.kv_io.kv_pull import ReplicaCaller
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.messages import (
     DeltaChunk,

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.block_manager import BlockManager, BlockTable
-from replica.kv_tiers import TierMove
+from replica.kvcache.block_manager import BlockManager, BlockTable
+from replica.kvcache.kv_tiers import TierMove
 from router.protocol.hashing import block_hashes
 from router.protocol.media import DEVICE, DISK, HOST
 
@@ -175,7 +175,7 @@ def test_copies_always_land_where_the_bookkeeping_says(ops, pool, host, disk):
 
 # ---- the real engine ----------------------------------------------------------------------
 from replica.engine import LLMEngine, SamplingParams  # noqa: E402
-from replica.model_runner import ModelRunner  # noqa: E402
+from replica.model.model_runner import ModelRunner  # noqa: E402
 from tests.conftest import TINY_FAMILIES, reference_greedy  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from replica.metrics import token_buckets
-from replica.request_metrics import RequestMetrics
+from replica.core.request_metrics import RequestMetrics
+from replica.serve.metrics import token_buckets
 from tests.prometheus_live import LivePrometheus
 from tests.promql import parse
 

@@ -243,7 +243,7 @@ def test_wrapper_waits_without_bound_before_the_replica_starts():
 
 
 def test_keepalive_marks_silence_and_closes_its_source():
-    from replica.keepalive import with_keepalive
+    from replica.serve.keepalive import with_keepalive
 
     closed = asyncio.Event()
     release = asyncio.Event()

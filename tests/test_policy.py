@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.memory_index import InMemoryIndex
+from router.index.memory_index import InMemoryIndex
 from router.policy import POLICIES, HashRing, ReplicaView, RouteRequest, make_policy, session_key
 
 BS = 512

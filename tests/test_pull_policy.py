@@ -8,13 +8,13 @@ import json
 
 import pytest
 
+from router.costs.transfer_model import TransferModel, fleet_rate
 from router.policy import AffinityPullPolicy, ReplicaView, RouteRequest, make_policy
 from router.protocol.hashing import block_hashes
 from router.sim.cli import default_trace, main
 from router.sim.engine import SimConfig, run_policy
 from router.sim.oracle import pooled_lru_hits
 from router.sim.workload import SimRequest, load_mooncake
-from router.transfer_model import TransferModel, fleet_rate
 
 BS = 512
 TRACE = default_trace()
@@ -148,9 +148,9 @@ def test_sim_pull_counts_blocks_and_inserts_them_as_if_computed():
 def test_sim_pull_after_eviction_falls_back_to_recompute():
     """The holder evicts the prefix between the decision and the pull: nothing is pulled, the
     request recomputes and still completes."""
-    from router.memory_index import InMemoryIndex
+    from router.costs.service import ServiceModel
+    from router.index.memory_index import InMemoryIndex
     from router.sim.replica import Job, SimReplica
-    from router.sim.service import ServiceModel
 
     index = InMemoryIndex()
     holder = SimReplica("r0", 4, BS, ServiceModel(), index)
@@ -217,7 +217,7 @@ def test_sim_engine_models_a_pull_as_cached_blocks_plus_transfer_time():
     as cached tokens, and its steps cost only the prefill left: as on a real replica, the pull
     happens before the engine sees the request, so it delays that request alone, never the
     running batch's steps."""
-    from replica.sim_engine import SimEngine, SimEngineConfig
+    from replica.backends.sim_engine import SimEngine, SimEngineConfig
     from router.protocol.sampling import SamplingParams
 
     bs = 16
@@ -343,7 +343,7 @@ def test_router_prices_pulls_with_the_fleets_measured_rates(redis_server):
 def test_demote_makes_a_given_away_copy_the_next_to_evict():
     """After another replica pulled a copy, the holder's copy goes first (its tail before its
     head, as `free` orders a prompt); blocks in use are not moved."""
-    from replica.block_manager import BlockManager, BlockTable
+    from replica.kvcache.block_manager import BlockManager, BlockTable
 
     bm = BlockManager(num_blocks=6, block_size=BS)
     old = BlockTable(hashes=[1, 2])
@@ -375,8 +375,8 @@ def test_sim_holder_modes_change_only_the_holders_lru():
 
 def loads_from_redis(url: str, prefix: str, replica_ids: list[str]):
     """A router's load table after one refresh from these replicas' heartbeats in a real Redis."""
+    from router.index.redis_index import RedisConfig, RedisIndex
     from router.load_table import LoadTable
-    from router.redis_index import RedisConfig, RedisIndex
 
     async def refreshed() -> LoadTable:
         index = RedisIndex(RedisConfig(url, prefix, timeout_s=0.5))

@@ -4,7 +4,7 @@ rides in the GenerateRequest Ray serialises to the replica, and the replica acts
 A second Serve app beside the session's `stack` (same Ray and HTTP proxy, its own route prefix):
 gateway + PrefixGateRouter(affinity-pull) + 2 sim-compute replicas on the session's Redis. Sim
 replicas run the real BlockManager, scheduler and publisher; a hinted pull inserts the blocks
-as if computed (replica/sim_engine.py), so `cached_tokens` on a replica that never computed the
+as if computed (replica/backends/sim_engine.py), so `cached_tokens` on a replica that never computed the
 prefix proves the hint arrived.
 """
 

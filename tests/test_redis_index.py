@@ -10,13 +10,13 @@ import uuid
 import pytest
 import redis
 
-from replica.block_manager import BlockManager, BlockTable
-from replica.publisher import BlockPublisher, PublisherConfig
+from replica.kvcache.block_manager import BlockManager, BlockTable
+from replica.serve.publisher import BlockPublisher, PublisherConfig
+from router.index.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 from router.load_table import LoadTable
 from router.protocol.hashing import block_hashes
 from router.protocol.media import DEVICE
 from router.protocol.redis_schema import RedisKeys
-from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 
 BS = 4
 
@@ -252,7 +252,7 @@ def test_resync_after_redis_restart_and_fast_failure_while_down(prefix):
 def test_routers_share_what_they_just_sent(redis_url, prefix):
     """Router A sends a prompt nobody has computed yet to rx: router B's next lookup already
     counts rx as holding it (before any replica publishes a block), until the short TTL ends."""
-    from router.index_writer import IndexWriter
+    from router.index.index_writer import IndexWriter
 
     async def scenario():
         a = RedisIndex(RedisConfig(redis_url, prefix, timeout_s=2.0))  # no fallback on a busy machine

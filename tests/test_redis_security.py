@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from gateway.local_redis import free_port
-from router.redis_index import IndexUnavailable, RedisConfig, RedisIndex, redact
+from router.index.redis_index import IndexUnavailable, RedisConfig, RedisIndex, redact
 from tests.test_redis_index import FakeReplica, _matched, eventually
 
 

@@ -89,9 +89,9 @@ def test_served_pow2_draws_from_the_whole_fleet():
     import time
 
     from router.decider import Decider, InflightPrefixes
+    from router.index.redis_index import Lookup, RedisConfig, RedisIndex, ReplicaEntry
     from router.load_table import LoadTable
     from router.policy import RouteRequest
-    from router.redis_index import Lookup, RedisConfig, RedisIndex, ReplicaEntry
 
     ids = [f"r{i}" for i in range(200)]
     table = LoadTable(RedisIndex(RedisConfig("redis://127.0.0.1:1/0", timeout_s=0.01)), refresh_s=60.0, seed=0)

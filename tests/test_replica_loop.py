@@ -26,7 +26,7 @@ async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
 
 
 async def _make_replica(settings: dict):
-    from replica.deployment import PrefixCacheReplica
+    from replica.serve.deployment import PrefixCacheReplica
 
     replica = PrefixCacheReplica.__new__(PrefixCacheReplica)
     await replica.__init__(settings)  # Serve awaits the async constructor the same way

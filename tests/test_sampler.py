@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from replica.sampler import Sampler, probabilities
+from replica.model.sampler import Sampler, probabilities
 from router.protocol.sampling import SamplingParams
 
 
@@ -150,7 +150,7 @@ def test_logprobs_are_the_raw_log_softmax():
 
 
 def test_token_counts_ignore_padding():
-    from replica.sampler import _token_counts
+    from replica.model.sampler import _token_counts
 
     counts = _token_counts([[1, 1, 2], [], [0]], 3, 4, torch.device("cpu"))
     assert counts.tolist() == [[0, 2, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
@@ -161,7 +161,7 @@ def test_token_counts_ignore_padding():
 def grammars(default_model_dir):
     from transformers import AutoConfig, AutoTokenizer
 
-    from replica.constrained import Grammars
+    from replica.model.constrained import Grammars
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     vocab = AutoConfig.from_pretrained(default_model_dir).vocab_size
@@ -204,7 +204,7 @@ def test_grammar_mask_makes_random_logits_produce_valid_json(grammars):
 
 
 def test_unsupported_schema_is_refused_at_add(grammars):
-    from replica.constrained import GrammarError
+    from replica.model.constrained import GrammarError
 
     g, _, _ = grammars
     bad = {"type": "json_schema", "schema": {"type": "string", "pattern": "(?<=a)b"}}

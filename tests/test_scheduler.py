@@ -3,9 +3,9 @@ preempted. Pure logic on the tensor-free BlockManager."""
 
 from __future__ import annotations
 
-from replica.block_manager import BlockManager
-from replica.scheduler import Scheduler, SchedulerConfig
-from replica.sequence import Sequence, Status
+from replica.core.scheduler import Scheduler, SchedulerConfig
+from replica.core.sequence import Sequence, Status
+from replica.kvcache.block_manager import BlockManager
 from router.protocol.hashing import block_hashes
 from router.protocol.sampling import SamplingParams
 

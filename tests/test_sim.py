@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from replica.block_manager import BlockManager, BlockTable
-from router.memory_index import InMemoryIndex
+from replica.kvcache.block_manager import BlockManager, BlockTable
+from router.index.memory_index import InMemoryIndex
 from router.policy import make_policy
 from router.sim.cli import capacity_blocks, default_trace, main
 from router.sim.engine import SimConfig, run_policy

@@ -8,19 +8,19 @@ import time
 
 import pytest
 
-from replica.block_manager import BlockTable
+from replica.kvcache.block_manager import BlockTable
+from router.costs.service import ServiceModel
 from router.decider import Decider, InflightPrefixes, SessionMemory
+from router.index.memory_index import InMemoryIndex
+from router.index.redis_index import RedisConfig, RedisIndex
 from router.load_table import LoadTable
-from router.memory_index import InMemoryIndex
 from router.policy import make_policy
-from router.redis_index import RedisConfig, RedisIndex
 from router.router_options import RouterOptions
 from router.sim.cli import build_parser, router_config
 from router.sim.engine import SimConfig, run_policy
 from router.sim.index import SimIndex
 from router.sim.replica import SimReplica
 from router.sim.router_config import SimRouterConfig
-from router.sim.service import ServiceModel
 from router.sim.sim_router import SimClock, SimRouter
 from router.sim.workload import ChatWorkload
 

@@ -15,12 +15,12 @@ import time
 import pytest
 
 from replica.async_engine import AsyncLLMEngine
-from replica.engine_types import InvalidRequestError
-from replica.sim_engine import SimEngine, SimEngineConfig, StepLag, fake_token_text
-from router.memory_index import InMemoryIndex
+from replica.backends.sim_engine import SimEngine, SimEngineConfig, StepLag, fake_token_text
+from replica.core.engine_types import InvalidRequestError
+from router.costs.service import ServiceModel
+from router.index.memory_index import InMemoryIndex
 from router.protocol.sampling import SamplingParams
 from router.sim.replica import Job, SimReplica
-from router.sim.service import ServiceModel
 from router.sim.trace import prompt_tokens, scale_rows
 
 FAST = 1000.0  # time scale for tests that check accounting, not wall time
@@ -36,10 +36,10 @@ def test_imports_no_torch():
     real engine (checked in a fresh interpreter)."""
     code = textwrap.dedent("""
         import sys
-        import replica.sim_engine, replica.deployment, gateway.server, gateway.app, gateway.tokenization
-        from replica.replica_settings import ReplicaSettings
+        import replica.backends.sim_engine, replica.serve.deployment, gateway.server, gateway.app, gateway.tokenization
+        from replica.serve.replica_settings import ReplicaSettings
         ReplicaSettings.from_dict({"sim": {"num_blocks": 8}})
-        heavy = sorted(m for m in ("torch", "replica.engine", "replica.model_runner", "replica.sampler") if m in sys.modules)
+        heavy = sorted(m for m in ("torch", "replica.engine", "replica.model.model_runner", "replica.model.sampler") if m in sys.modules)
         print(heavy)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -10,19 +10,19 @@ import pytest
 
 from loadtest.fleet import FleetSpec, app_config, settings_for
 from loadtest.fleet_report import oracles
-from replica.sim_engine import SimEngine, SimEngineConfig
-from router.memory_index import InMemoryIndex
+from replica.backends.sim_engine import SimEngine, SimEngineConfig
+from router.costs.service import ServiceModel
+from router.costs.transfer_model import NVME_DISK_BYTES_S, PCIE_HOST_BYTES_S, TransferModel
+from router.index.memory_index import InMemoryIndex
 from router.policy import make_policy
 from router.protocol.media import DISK, HOST
 from router.protocol.sampling import SamplingParams
 from router.sim.cli import main
 from router.sim.engine import SimConfig, run_policy
 from router.sim.replica import Job, SimReplica
-from router.sim.service import ServiceModel
 from router.sim.tiers import TierConfig
 from router.sim.trace import prompt_tokens, scale_rows
 from router.sim.workload import ChatWorkload, SimRequest
-from router.transfer_model import NVME_DISK_BYTES_S, PCIE_HOST_BYTES_S, TransferModel
 
 BS = 16
 FAST = 1000.0

@@ -13,8 +13,10 @@ import uuid
 import msgpack
 import pytest
 
-from router.index_writer import IndexWriter
-from router.memory_index import InMemoryIndex
+from router.costs.transfer_model import TransferModel
+from router.index.index_writer import IndexWriter
+from router.index.memory_index import InMemoryIndex
+from router.index.redis_index import RedisConfig, RedisIndex, ReplicaEntry, open_client, tier_split
 from router.policy import AffinityPolicy, AffinityPullPolicy, ReplicaView, RouteRequest
 from router.protocol.events import decode_batch
 from router.protocol.hashing import block_hashes, chain_seed
@@ -31,10 +33,8 @@ from router.protocol.media import (
     split_member,
 )
 from router.protocol.redis_schema import RedisKeys
-from router.redis_index import RedisConfig, RedisIndex, ReplicaEntry, open_client, tier_split
 from router.sim.index import SimIndex
 from router.sim.sim_router import SimClock
-from router.transfer_model import TransferModel
 from router.vllm_events import AdapterConfig, EventTranslator, VllmEventAdapter
 from tests.test_pull_policy import loads_from_redis
 from tests.test_redis_index import sync_client
@@ -308,7 +308,7 @@ def test_a_tier_slower_than_recompute_is_priced_as_a_miss(policy):
 
 
 def test_a_block_manager_never_reads_back_a_tier_that_does_not_pay():
-    from replica.block_manager import BlockManager, BlockTable
+    from replica.kvcache.block_manager import BlockManager, BlockTable
     from router.protocol.hashing import block_hashes
 
     bm = BlockManager(3, BS, host_blocks=4)

@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernels (replica/triton_attention.py) under Triton's CPU
+"""The Triton paged-attention kernels (replica/kernels/triton_attention.py) under Triton's CPU
 interpreter: the same outputs as the torch path on random steps built by the engine's own
 ModelRunner.prepare (GQA, context lengths off block boundaries, a cascade's shared prefix,
 chunked and cached prefills), and the same greedy tokens through the engine.
@@ -54,8 +54,8 @@ def kernel_errors() -> dict[str, float]:
     cases = {name: (shape, dtype, tiles) for name, (shape, dtype, tiles, _) in CASES.items()}
     return _interpreted(f"""
         import json, torch
-        from replica import triton_check
-        from replica.triton_attention import TileSizes
+        from loadtest.device import triton_check
+        from replica.kernels.triton_attention import TileSizes
         errors = {{}}
         for name, (shape, dtype, tiles) in {cases!r}.items():
             errors[name] = triton_check.max_error(triton_check.StepShape(**shape), getattr(torch, dtype), "cpu",
@@ -75,7 +75,7 @@ def test_engine_greedy_tokens_equal_with_the_triton_backend(tmp_path):
     round, prefills over a cached prefix."""
     from transformers import Qwen3Config
 
-    from replica.gpu_check import save_random_model
+    from loadtest.device.gpu_check import save_random_model
 
     config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -84,7 +84,7 @@ def test_engine_greedy_tokens_equal_with_the_triton_backend(tmp_path):
     rounds = [[system + [40 + i, 50 + i] for i in range(3)], [system + [60, 61, 62], [7, 8, 9]]]
     tokens = _interpreted(f"""
         import json
-        from replica.triton_check import engine_tokens
+        from loadtest.device.triton_check import engine_tokens
         args = dict(block_size=4, num_blocks=96, max_num_batched_tokens=16)
         print(json.dumps([engine_tokens({path!r}, b, {rounds!r}, 8, **args) for b in ("torch", "triton")]))
     """)

@@ -23,7 +23,7 @@ import redis
 from hypothesis import given, settings
 
 from gateway.config import AppConfig
-from replica.vllm_settings import vllm_python
+from replica.backends.vllm_settings import vllm_python
 from router.protocol.redis_schema import RedisKeys
 from tests.conftest import side_app
 from tests.test_faults import _assert_well_formed, _stream, _take

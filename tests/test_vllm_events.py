@@ -20,10 +20,10 @@ import msgpack
 import zmq
 
 from gateway.local_redis import free_port
+from router.index.redis_index import RedisConfig, RedisIndex
 from router.protocol.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.media import DEVICE
-from router.redis_index import RedisConfig, RedisIndex
 from router.vllm_events import AdapterConfig, EventTranslator, VllmEventAdapter
 
 BS = 4

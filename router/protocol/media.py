@@ -3,7 +3,7 @@
 A replica keeps each block in one tier at a time: the device pool (what attention reads), the
 host tier (host memory, pinned on a GPU) or the disk tier (a bounded local file). A block in a
 lower tier is still a prefix hit there: it is copied back into the pool before the prefill
-instead of being recomputed (replica/kv_tiers.py), at a cost the router prices.
+instead of being recomputed (replica/kvcache/kv_tiers.py), at a cost the router prices.
 
 In the inverted index ({p:bK}:blk:{hash}) a holder is its replica id for the device pool and
 "replica|medium" for a lower tier; the per-replica set ({p}:blocks:{rid}) holds "hash" or

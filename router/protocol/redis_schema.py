@@ -149,7 +149,7 @@ class RedisKeys:
 # the holders there match at least that deep. A block nobody holds yet but a router just sent
 # counts as -1 (one holder, in flight: sampled as the replica it went to). Holders are members
 # ("rid" or "rid|host"), one per replica in whichever medium holds the block, so the counts mix
-# media and the router decodes the samples (router/redis_index.py). SCARD and GET are O(1) and
+# media and the router decodes the samples (router/index/redis_index.py). SCARD and GET are O(1) and
 # SRANDMEMBER with a small count O(count): the cost depends on the prompt's length, never on the
 # number of replicas.
 LOOKUP_SCRIPT = """

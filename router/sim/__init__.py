@@ -6,8 +6,8 @@ policies of `router.policy`. Prefill and decode cost time through a small servic
 queues that load-aware routing reacts to exist. See docs/simulator.md.
 """
 
+from router.costs.service import ServiceModel
 from router.sim.engine import SimConfig, run_policy
-from router.sim.service import ServiceModel
 from router.sim.workload import SimRequest
 
 __all__ = ["ServiceModel", "SimConfig", "SimRequest", "run_policy"]

@@ -14,16 +14,16 @@ import sys
 import time
 from pathlib import Path
 
+from router.costs.service import ServiceModel
+from router.costs.transfer_model import TransferModel
 from router.policy import POLICIES, AffinityPolicy, Policy, make_policy
 from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import PolicyResult
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
 from router.sim.replica import HOLDER_MODES
 from router.sim.router_config import SimRouterConfig
-from router.sim.service import ServiceModel
 from router.sim.tiers import TierConfig
 from router.sim.workload import SESSION_MODES, WORKLOADS, SimRequest, distinct_blocks, load_mooncake
-from router.transfer_model import TransferModel
 
 CAPACITY_PRESETS = {"tight": 0.01, "ample": 0.05}  # fraction of the workload's distinct blocks
 BASE_REPLICAS = 8  # --time-scale auto keeps per-replica load at the trace's rate over 8 replicas

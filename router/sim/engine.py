@@ -14,17 +14,17 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from router.memory_index import InMemoryIndex
+from router.costs.service import ServiceModel
+from router.costs.transfer_model import TransferModel
+from router.index.memory_index import InMemoryIndex
 from router.policy import Policy
 from router.protocol.media import DISK, HOST
 from router.sim.metrics import PolicyResult, percentile, window_imbalance
 from router.sim.replica import Job, SimReplica
 from router.sim.router_config import SimRouterConfig
-from router.sim.service import ServiceModel
 from router.sim.sim_router import SimClock, SimRouter
 from router.sim.tiers import TierConfig
 from router.sim.workload import SimRequest
-from router.transfer_model import TransferModel
 
 _PREFILL_DONE = 0
 _FINISH = 1

@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from router.memory_index import InMemoryIndex
-from router.redis_index import Lookup, RedisConfig, RedisIndex
+from router.index.memory_index import InMemoryIndex
+from router.index.redis_index import Lookup, RedisConfig, RedisIndex
 
 
 class SimIndex:

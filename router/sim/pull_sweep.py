@@ -17,11 +17,11 @@ import json
 import sys
 from pathlib import Path
 
+from router.costs.service import ServiceModel
 from router.policy import make_policy
 from router.sim.cli import BASE_REPLICAS, capacity_blocks, default_trace, make_transfer
 from router.sim.engine import SimConfig, run_policy
 from router.sim.oracle import pooled_lru_hits
-from router.sim.service import ServiceModel
 from router.sim.workload import WORKLOADS, distinct_blocks, load_mooncake
 
 

@@ -14,15 +14,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from replica.block_manager import BlockManager, BlockTable
-from router.memory_index import InMemoryIndex
+from replica.kvcache.block_manager import BlockManager, BlockTable
+from router.costs.service import ServiceModel
+from router.costs.tier_costs import copy_s
+from router.costs.transfer_model import TransferModel
+from router.index.memory_index import InMemoryIndex
 from router.policy import ReplicaView
 from router.protocol.media import DEVICE
 from router.protocol.redis_schema import LOAD_FIELDS, Heartbeat
-from router.sim.service import ServiceModel
-from router.sim.tiers import TierConfig, copy_s, tier_heartbeat
+from router.sim.tiers import TierConfig, tier_heartbeat
 from router.sim.workload import SimRequest
-from router.transfer_model import TransferModel
 
 HOLDER_MODES = ("keep", "touch", "demote")
 

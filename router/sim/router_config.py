@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.decider import STALE_MEMORY_S
+from router.index.redis_index import RedisConfig
 from router.protocol.redis_schema import INFLIGHT_TTL_S
-from router.redis_index import RedisConfig
 from router.router_options import RouterOptions
 
 _LIVE = RouterOptions()

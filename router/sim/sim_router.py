@@ -15,7 +15,7 @@ import random
 from collections.abc import Mapping
 
 from router.decider import Decider, InflightPrefixes, Routed, SessionMemory
-from router.memory_index import InMemoryIndex
+from router.index.memory_index import InMemoryIndex
 from router.policy import Policy, RouteRequest
 from router.sim.index import SimIndex
 from router.sim.loads import SimLoadTable

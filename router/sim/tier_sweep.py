@@ -19,12 +19,12 @@ import json
 import sys
 from pathlib import Path
 
+from router.costs.service import ServiceModel
 from router.policy import POLICIES
 from router.sim.cli import BASE_REPLICAS, capacity_blocks, load_workload, make_transfer, sim_policy
 from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import PolicyResult
 from router.sim.oracle import pooled_lru_hits
-from router.sim.service import ServiceModel
 from router.sim.tiers import TierConfig
 from router.sim.workload import WORKLOADS, distinct_blocks
 

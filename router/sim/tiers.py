@@ -1,21 +1,20 @@
 """K/V tiers below a simulated replica's pool: their sizes, and what a hit in one costs.
 
 Each replica's BlockManager keeps what its pool evicts in a host tier, then a disk tier, each an
-LRU of its own (replica/kv_tiers.py); a prefix hit there is copied back into the pool before the
+LRU of its own (replica/kvcache/kv_tiers.py); a prefix hit there is copied back into the pool before the
 prefill. The simulators keep the bookkeeping real and model only the copy, at the transfer
-model's tier rates (router/transfer_model.py `tier_s`: tokens x K/V bytes per token / rate),
+model's tier rates (router/costs/transfer_model.py `tier_s`: tokens x K/V bytes per token / rate),
 charged before the prefill like a pull's transfer. The same figures go into the heartbeat
 (occupancy and rates), so the router prices tier hits from what the replicas report, as live.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from replica.block_manager import BlockManager
-from router.protocol.media import DISK, HOST
-from router.transfer_model import TransferModel
+from replica.kvcache.block_manager import BlockManager
+from router.costs.tier_costs import tier_rate
+from router.costs.transfer_model import TransferModel
 
 
 @dataclass(frozen=True)
@@ -38,16 +37,6 @@ class TierConfig:
     def blocks(self) -> int:
         """Blocks held below the pool, both tiers together."""
         return self.host_blocks + self.disk_blocks
-
-
-def copy_s(transfer: TransferModel, promoted: Mapping[str, int], block_size: int) -> float:
-    """Time to copy `promoted` blocks (per lower medium) back into the pool."""
-    return sum(transfer.tier_s(medium, n * block_size) for medium, n in promoted.items())
-
-
-def tier_rate(transfer: TransferModel, medium: str) -> float:
-    """Modelled bytes/s from a lower tier back into the pool."""
-    return {HOST: transfer.host_bytes_per_s, DISK: transfer.disk_bytes_per_s}[medium]
 
 
 def tier_heartbeat(bm: BlockManager, transfer: TransferModel) -> dict[str, int]:

@@ -19,9 +19,9 @@ import json
 import random
 from pathlib import Path
 
-from router.sim.service import ServiceModel
+from router.costs.service import ServiceModel
+from router.costs.transfer_model import TransferModel
 from router.sim.workload import SimRequest
-from router.transfer_model import TransferModel
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake: one hash id stands for 512 prompt tokens
 TOKEN_ID_RANGE = (1000, 40000)  # ordinary BPE ids of the default vocabulary, clear of special ids

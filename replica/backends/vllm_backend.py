@@ -1,0 +1,412 @@
+"""vLLM's engine behind the seam: a replica that runs vLLM's AsyncLLM in process.
+
+What the rest of prefixgate sees does not change: the gateway streams the same chunks, the
+router reads the same index and heartbeats. vLLM's KV-cache events (its ZMQ publisher) come
+into this process on a SUB socket bound to loopback, are re-hashed with our spec
+(router/vllm_events.py) and go through the replica's own BlockPublisher, like our engine's.
+The heartbeat's load is read from vLLM: its scheduler's running and waiting counts and K/V
+usage (a stat logger that vLLM calls after every step), plus the prompts this process has
+submitted that have not produced a token yet (pending prefill). Usage reports vLLM's
+cached-token count.
+
+Nothing here is CPU-only: on a CUDA machine the same code runs vLLM proper (the CPU-only
+settings, `VLLM_CPU_*`, are ignored there). vLLM cannot export or import K/V blocks the way
+replica/kv_io/kv_pull.py moves them, so the capabilities say no and the router never sends a pull
+hint here. Imported only inside a vLLM replica (the vLLM venv: docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from replica.async_engine import EngineDeadError
+from replica.backends.engine_protocol import Capabilities, ModelFacts
+from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings
+from replica.core.engine_types import EngineConfig, EngineStats, InvalidRequestError, RequestOutput
+from replica.core.request_metrics import RequestMetrics
+from replica.default_model import resolve_model
+from replica.kvcache.block_manager import KVEventListener
+from router.protocol.events import decode_batch
+from router.protocol.hashing import block_hashes
+from router.protocol.sampling import SamplingParams
+from router.vllm_events import EventTranslator
+
+log = logging.getLogger("prefixgate.replica.vllm")
+
+
+class _Scheduler:
+    """vLLM's StatLoggerBase, fed after every engine step: the latest scheduler figures and
+    cumulative prefix-cache counters. Built per engine by vLLM from the factory below."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.preemptions = 0
+        self.steps = 0
+
+    def logger_factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        state = self
+
+        class SchedulerFigures(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                self.vllm_config = vllm_config
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    state.steps += 1
+                    state.running = scheduler_stats.num_running_reqs
+                    state.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+                    state.kv_usage = scheduler_stats.kv_cache_usage
+                    cache = scheduler_stats.prefix_cache_stats
+                    state.queried_tokens += cache.queries
+                    state.hit_tokens += cache.hits
+                if iteration_stats is not None:
+                    state.preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return SchedulerFigures
+
+
+@dataclass
+class _InFlight:
+    prompt_tokens: int
+    arrival: float
+    first_token: float | None = None
+    handed_off: str | None = None  # hand_off's reason: the stream ends with EngineDeadError
+    hashes: list[int] = dataclasses.field(default_factory=list)  # its full blocks (our hashes)
+
+
+class VllmBackend:
+    def __init__(self, engine, facts: ModelFacts, translator: EventTranslator, events: zmq.asyncio.Socket,
+                 figures: _Scheduler) -> None:
+        self.engine = engine  # vllm.v1.engine.async_llm.AsyncLLM
+        self.facts = facts
+        self.capabilities = Capabilities(kv_export=False, kv_import=False, logprobs=True, grammar=True, continuation=True)
+        self.tokenizer = engine.get_tokenizer()
+        self.translator = translator
+        self.figures = figures
+        self._events = events
+        self._listeners: list[KVEventListener] = []
+        self._inflight: dict[str, _InFlight] = {}
+        self._inflight_blocks: dict[int, int] = {}  # block hash -> in-flight prompts holding it
+        self._generated = 0
+        self._stopped = False
+        self._token_text = None
+        self._event_task = asyncio.get_running_loop().create_task(self._pump_events())
+
+    @classmethod
+    async def create(cls, config: EngineConfig, settings: VllmSettings, threads: int) -> VllmBackend:
+        from vllm.config import KVEventsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if config.block_size % VLLM_BLOCK_MULTIPLE and config.device == "cpu":
+            raise ValueError(f"vLLM's CPU backend needs a block size that is a multiple of {VLLM_BLOCK_MULTIPLE}, got {config.block_size}")
+        # the engine core is a child process: its threads and CPU pool come from the environment
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(settings.cpu_kvcache_gib)))
+        model_dir = str(resolve_model(config.model))
+        model_id = config.model_id or os.path.basename(model_dir.rstrip("/"))
+        events = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        events.setsockopt(zmq.LINGER, 0)
+        events.setsockopt(zmq.SUBSCRIBE, b"")
+        port = events.bind_to_random_port("tcp://127.0.0.1")  # vLLM's publisher connects here
+        args = AsyncEngineArgs(
+            model=model_dir, served_model_name=[model_id], dtype=settings.dtype, enforce_eager=settings.enforce_eager,
+            block_size=config.block_size, num_gpu_blocks_override=config.num_blocks, enable_prefix_caching=True,
+            max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, config.block_size),
+            gpu_memory_utilization=settings.gpu_memory_utilization, seed=settings.seed, disable_log_stats=False,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"),
+            **settings.engine_args,
+        )
+        figures = _Scheduler()
+        try:
+            engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[figures.logger_factory()])
+        except Exception:
+            events.close()
+            raise
+        vc = engine.vllm_config
+        facts = ModelFacts(
+            engine="vllm", model_id=model_id, max_model_len=vc.model_config.max_model_len,
+            vocab_size=vc.model_config.get_vocab_size(), block_size=vc.cache_config.block_size,
+            num_blocks=int(vc.cache_config.num_gpu_blocks or 0),
+        )
+        translator = EventTranslator(model_id, facts.block_size, depth=10**9)  # the publisher applies the depth
+        return cls(engine, facts, translator, events, figures)
+
+    # ---- requests ------------------------------------------------------------------------
+    def validate(self, token_ids: list[int], params: SamplingParams, prefix: list[int]) -> None:
+        """What our engines refuse, refused the same way (a 400 naming the field), before vLLM
+        sees the request."""
+        try:
+            params.validate()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        f = self.facts
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        for name, ids in (("prompt token ids", token_ids), ("prefix_output_token_ids", prefix)):
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < f.vocab_size for t in ids):
+                raise InvalidRequestError(f"{name} must be integers in [0, {f.vocab_size})")
+        if prefix and len(prefix) >= params.max_tokens:
+            raise InvalidRequestError("prefix_output_token_ids must be shorter than max_tokens")
+        total = len(token_ids) + params.max_tokens
+        if total > f.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model's context of {f.max_model_len} tokens")
+        needed = -(-total // f.block_size)
+        if needed > f.num_blocks:
+            raise InvalidRequestError(f"request needs {needed} blocks but the pool has {f.num_blocks}")
+
+    def sampling_params(self, params: SamplingParams, prefix_len: int):
+        """Our SamplingParams as vLLM's (deltas out, OpenAI's stop-string rules)."""
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        from vllm.sampling_params import SamplingParams as VllmSamplingParams
+
+        structured = None
+        if params.constrained:
+            fmt = params.response_format
+            structured = (StructuredOutputsParams(json_object=True) if fmt["type"] == "json_object"
+                          else StructuredOutputsParams(json=fmt["schema"] if isinstance(fmt["schema"], dict) else {}))
+        return VllmSamplingParams(
+            max_tokens=params.max_tokens - prefix_len,
+            min_tokens=max(0, params.min_tokens - prefix_len),
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+            stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty, logprobs=params.logprobs,
+            structured_outputs=structured, output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
+                       cache_salt: str | None = None, prefix_output_token_ids: Sequence[int] = (),
+                       prefix_text_len: int | None = None, **_: Any) -> AsyncIterator[RequestOutput]:
+        """A migrated stream (prefix_output_token_ids) continues as a longer prompt: vLLM computes
+        or hits the earlier output, and the text the client has not seen yet leads the first delta."""
+        if self._stopped:
+            raise EngineDeadError("engine is shut down")
+        prompt = list(prompt_token_ids)
+        prefix = list(prefix_output_token_ids)
+        self.validate(prompt, params, prefix)
+        if request_id in self._inflight:
+            raise InvalidRequestError(f"duplicate request id {request_id}")
+        try:
+            vllm_params = self.sampling_params(params, len(prefix))
+        except ValueError as e:  # vLLM's own checks (e.g. a schema its grammar backend refuses)
+            raise InvalidRequestError(str(e)) from None
+        unsent = ""
+        if prefix:
+            text = self.tokenizer.decode(prefix, skip_special_tokens=True)
+            unsent = text[len(text) if prefix_text_len is None else max(0, prefix_text_len):]
+        full = prompt + prefix
+        inputs: dict[str, Any] = {"prompt_token_ids": full}
+        if cache_salt is not None:
+            inputs["cache_salt"] = cache_salt
+        # pending prefill: what vLLM will compute, i.e. the prompt less its leading blocks that
+        # vLLM holds or that an earlier prompt in flight here computes first (vLLM's token budget
+        # schedules that one ahead, so the follower hits them): a holder with a queue of one new
+        # prefix's requests is not priced as computing it once per request
+        hashes = block_hashes(full, self.facts.block_size, self.translator.chain_root(cache_salt))
+        held = max(self.translator.leading_held(hashes), self._leading_in_flight(hashes))
+        held = min(held * self.facts.block_size, len(full) - 1)
+        state = self._inflight[request_id] = _InFlight(prompt_tokens=len(full) - held, arrival=time.monotonic(),
+                                                       hashes=hashes)
+        for h in hashes:
+            self._inflight_blocks[h] = self._inflight_blocks.get(h, 0) + 1
+        token_ids = list(prefix)
+        text_so_far = ""
+        try:
+            stream = self.engine.generate(inputs, vllm_params, request_id)
+            async for out in self._guarded(stream, request_id, state):
+                o = out.outputs[0]
+                new_ids = list(o.token_ids)
+                if new_ids and state.first_token is None:
+                    state.first_token = time.monotonic()
+                self._generated += len(new_ids)
+                token_ids.extend(new_ids)
+                new_text = unsent + o.text
+                unsent = ""
+                text_so_far += new_text
+                finished = out.finished
+                if state.handed_off is not None:
+                    raise EngineDeadError(state.handed_off)
+                result = RequestOutput(
+                    request_id=request_id, new_token_ids=new_ids, new_text=new_text, token_ids=list(token_ids),
+                    text=text_so_far, num_prompt_tokens=len(prompt),
+                    num_cached_tokens=int(out.num_cached_tokens or 0), finished=finished,
+                    finish_reason=_finish_reason(o.finish_reason) if finished else None,
+                    logprobs=self._logprobs(new_ids, o.logprobs, params.logprobs) if params.logprobs is not None else None,
+                )
+                if finished:
+                    # vLLM's engine-core timestamps are time.monotonic() too (one clock per machine)
+                    scheduled = getattr(out.metrics, "scheduled_ts", 0.0) or None
+                    result.metrics = RequestMetrics(
+                        arrival_time=state.arrival, first_scheduled_time=scheduled, first_token_time=state.first_token,
+                        finished_time=time.monotonic(), num_prompt_tokens=len(prompt),
+                        num_cached_tokens=result.num_cached_tokens, num_generation_tokens=len(token_ids),
+                    )
+                yield result
+                if finished:
+                    return
+            if state.handed_off is not None:
+                raise EngineDeadError(state.handed_off)
+            raise EngineDeadError("vLLM ended the stream without a final output")
+        finally:
+            self._forget(request_id)
+
+    def _leading_in_flight(self, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._inflight_blocks:
+                break
+            n += 1
+        return n
+
+    def _forget(self, request_id: str) -> None:
+        state = self._inflight.pop(request_id, None)
+        for h in state.hashes if state is not None else ():
+            left = self._inflight_blocks[h] - 1
+            if left:
+                self._inflight_blocks[h] = left
+            else:
+                del self._inflight_blocks[h]
+
+    async def _guarded(self, stream, request_id: str, state: _InFlight):
+        """vLLM's stream, with its failures as ours: a dead engine is retryable elsewhere, a
+        request vLLM refuses is a 400."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+        from vllm.v1.engine.exceptions import EngineGenerateError
+
+        try:
+            async for out in stream:
+                yield out
+        except VllmDead as e:
+            raise EngineDeadError(f"vLLM engine died: {e}") from None
+        except EngineGenerateError as e:
+            if state.handed_off is not None:
+                raise EngineDeadError(state.handed_off) from None
+            raise EngineDeadError(f"vLLM failed the request: {e}") from None
+        except ValueError as e:  # refused at add_request (its own validation)
+            raise InvalidRequestError(str(e)) from None
+
+    def _logprobs(self, token_ids: list[int], entries, k: int) -> list[dict] | None:
+        """vLLM's per-token {id: Logprob} maps (the k most likely plus the chosen one) in our
+        wire form (replica/model/token_text.py)."""
+        if not entries:
+            return None
+        if self._token_text is None:
+            from replica.model.token_text import TokenText
+
+            self._token_text = TokenText(getattr(self.tokenizer, "tokenizer", self.tokenizer))
+        tt = self._token_text
+
+        def wire(token_id: int, logprob: float) -> dict:
+            text, raw = tt.text_and_bytes(token_id)
+            return {"token_id": token_id, "token": text, "bytes": raw, "logprob": float(logprob)}
+
+        out = []
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            chosen = entry.get(token_id)
+            top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k)
+            out.append(wire(token_id, chosen.logprob if chosen is not None else float("-inf"))
+                       | {"top": [wire(tid, lp) for _, tid, lp in top]})
+        return out
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._inflight and not self._stopped:
+            asyncio.get_running_loop().create_task(self.engine.abort(request_id))
+
+    async def hand_off(self, reason: str) -> int:
+        ids = list(self._inflight)
+        for rid in ids:
+            self._inflight[rid].handed_off = reason
+        if ids:
+            await self.engine.abort(ids)
+        return len(ids)
+
+    # ---- load, events, lifecycle -----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        f, fig = self.facts, self.figures
+        unstarted = [r for r in self._inflight.values() if r.first_token is None]
+        # requests submitted since vLLM's last step report count as waiting, not as absent
+        waiting = max(fig.waiting, len(self._inflight) - fig.running)
+        used = min(f.num_blocks, round(fig.kv_usage * f.num_blocks))
+        return EngineStats(
+            running=fig.running, waiting=waiting, prompt_tokens=fig.queried_tokens, cached_tokens=fig.hit_tokens,
+            blocks_total=f.num_blocks, blocks_used=used, blocks_cached=self.translator.num_held,
+            blocks_free=f.num_blocks - used, evictions=self.translator.stats.removed, preemptions=fig.preemptions,
+            pending_prefill_tokens=sum(r.prompt_tokens for r in unstarted), steps=fig.steps,
+            generated_tokens=self._generated,
+        )
+
+    def load_extra(self) -> dict[str, int | float]:
+        return {}
+
+    def info_extra(self) -> dict[str, Any]:
+        import vllm
+
+        return {"vllm_version": vllm.__version__, "kv_events": dataclasses.asdict(self.translator.stats)}
+
+    def add_listener(self, listener: KVEventListener) -> None:
+        self._listeners.append(listener)
+
+    async def block_snapshot(self, reset_events: Callable[[], None]) -> list[tuple[int, int, str]]:
+        reset_events()  # events are applied on this loop, so nothing runs between the two lines
+        return self.translator.held()
+
+    async def _pump_events(self) -> None:
+        """vLLM's KV events -> our hashes -> the listeners (the publisher)."""
+        while True:
+            try:
+                parts = await self._events.recv_multipart()
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            if len(parts) != 3:
+                self.translator.stats.bad_messages += 1
+                continue
+            try:
+                batch = decode_batch(parts[2])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.translator.stats.bad_messages += 1
+                continue
+            self.translator.stats.batches += 1
+            self.translator.feed(batch, self._listeners)
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._event_task.cancel()
+        try:
+            self.engine.shutdown()
+        finally:
+            self._events.close()
+
+    @property
+    def alive(self) -> bool:
+        return not self._stopped and not getattr(self.engine, "errored", False)
+
+
+def _finish_reason(reason: str | None) -> str:
+    return reason if reason in ("stop", "length", "abort") else "stop"

@@ -1,0 +1,127 @@
+"""Continuous batching: which tokens of which sequences run in the next forward pass.
+
+Every step mixes decodes (one token each for running sequences) with prefill chunks of new
+or partially prefilled sequences, under a token budget, so long prompts never stall decoding.
+Blocks are reserved per chunk (a long prompt holds only the blocks computed so far). When the
+pool runs dry, the most recently admitted sequence is preempted: its blocks are released
+(hashed ones stay cached) and it is recomputed later, usually from cache. A step that preempted
+admits nobody, as in vLLM, so a sequence is never preempted and re-admitted in the same step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from replica.core.engine_types import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from replica.core.sequence import Sequence, Status
+from replica.kvcache.block_manager import BlockManager
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS  # prefill chunk budget per step, decodes included
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step
+    end: int  # one past the last
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's last token, so its logits give the next token."""
+        return self.end == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """The next step's chunks, following vLLM's rules: running sequences first (oldest
+        first), blocks reserved only for the tokens computed this step, and no admission in a
+        step that preempted (the preempted sequence waits at the head of the queue)."""
+        chunks: list[ScheduledChunk] = []
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        # 1. running sequences, oldest first: decodes and unfinished prefills
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            fits, evicted = self._ensure_room(seq, seq.num_computed + n)
+            preempted = preempted or evicted
+            if not fits:
+                continue  # seq itself was preempted; running shrank
+            chunks.append(ScheduledChunk(seq, seq.num_computed, seq.num_computed + n))
+            budget -= n
+            i += 1
+        if preempted:
+            return chunks
+        # 2. admit waiting sequences while the budget, the batch size and the pool allow
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq.table, seq.num_tokens, budget):
+                break
+            self.waiting.popleft()
+            cached = self.blocks.allocate(seq.table, seq.num_tokens, budget)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = cached
+            seq.num_computed = cached
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - cached, budget)
+            chunks.append(ScheduledChunk(seq, cached, cached + n))
+            budget -= n
+        return chunks
+
+    def _ensure_room(self, seq: Sequence, num_tokens: int) -> tuple[bool, bool]:
+        """Give `seq` blocks for its first `num_tokens` tokens, preempting newer sequences if
+        needed. Returns (seq still runs, something was preempted)."""
+        preempted = False
+        while not self.blocks.can_append(seq.table, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted = True
+            if victim is seq:
+                return False, True
+        self.blocks.append(seq.table, num_tokens)
+        return True, preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.table)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def commit(self, chunks: list[ScheduledChunk]) -> None:
+        """Record the computed tokens so full blocks become cache entries."""
+        for c in chunks:
+            c.seq.num_computed = c.end
+            self.blocks.commit(c.seq.table, c.seq.token_ids, c.end, c.seq.hash_seed)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.table)

@@ -1,0 +1,1 @@
+"""prefixgate: replica.kv_io."""

@@ -1,0 +1,131 @@
+"""The Ray Serve replica actor: one engine backend (replica/backends/engine_protocol.py), the publisher of
+its block hashes and heartbeat, and its K/V-pull peer. Which backend runs is
+`ReplicaSettings.engine_name` (replica/serve/replica_settings.py); a request's stream is
+replica/serve/request_stream.py, the heartbeat replica/serve/heartbeat.py."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+from replica.backends.engine_protocol import EngineBackend
+from replica.serve.drain import drain_replica
+from replica.serve.heartbeat import build_heartbeat
+from replica.serve.metrics import ReplicaMetrics
+from replica.serve.publisher import BlockPublisher, PublisherConfig
+from replica.serve.replica_settings import ReplicaSettings, create_backend
+from replica.serve.request_stream import request_chunks
+from router.protocol.messages import RouteDecision, encode_chunk
+from router.protocol.redis_schema import Heartbeat
+
+log = logging.getLogger("prefixgate.replica")
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Ray Serve (tests, local use)
+        return f"local-{uuid.uuid4().hex[:8]}"
+
+
+class PrefixCacheReplica:
+    """Deployment class; the app builder wraps it with serve.deployment(...)."""
+
+    async def __init__(self, settings: dict) -> None:
+        self.settings = ReplicaSettings.from_dict(settings)
+        self.replica_id = _replica_id()
+        self.backend: EngineBackend = await create_backend(self.settings)
+        facts = self.backend.facts
+        self.metrics = ReplicaMetrics(facts.model_id, facts.max_model_len)  # vLLM's names, through Ray
+        self._gauges = asyncio.create_task(self.metrics.run_gauges(self.backend.stats))
+        self.kv_pull = None  # pulls of K/V from other replicas (engines that export and import it)
+        if self.backend.capabilities.kv_pull and facts.engine == "model":
+            from replica.kv_io import kv_pull
+
+            self.kv_pull = kv_pull.for_replica(self.backend.engine, self.replica_id, kv_pull.KvPullConfig(self.settings.kv_pull_timeout_s))
+        self.publisher: BlockPublisher | None = None
+        self.draining = False
+        # (steps started, steps finished) at each heartbeat: shows beats while a step runs
+        self.heartbeats: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
+        if self.settings.redis_url:
+            self.publisher = BlockPublisher(
+                PublisherConfig(
+                    redis_url=self.settings.redis_url,
+                    replica_id=self.replica_id,
+                    key_prefix=self.settings.key_prefix,
+                    depth=self.settings.publish_depth,
+                    buckets=self.settings.index_buckets,
+                ),
+                snapshot=self._snapshot,
+                load=self._load,
+            )
+            self.backend.add_listener(self.publisher)
+            self.publisher.start()
+        log.info("replica %s ready (%s engine, pid %d)", self.replica_id, facts.engine, os.getpid())
+
+    @property
+    def engine(self):
+        """Our engines' AsyncLLMEngine (tests and replica/kv_io/kv_pull.py drive it directly)."""
+        return self.backend.engine
+
+    async def _snapshot(self) -> list[tuple[int, int, str]]:
+        """The cached set for a full resync, taken between steps (never blocks this loop)."""
+        return await self.backend.block_snapshot(self.publisher.reset_events)
+
+    def _load(self) -> Heartbeat:
+        return build_heartbeat(self.backend, self.kv_pull, self.heartbeats)
+
+    async def generate(self, request: object, route: RouteDecision | None = None) -> AsyncIterator[bytes]:
+        """The request's chunks, msgpack-encoded (the gateway decodes them with their types).
+        `route` is our router's decision, passed beside the request (absent under Ray's routers)."""
+        async with contextlib.aclosing(request_chunks(self, request, route)) as chunks:
+            async for chunk in chunks:  # closed at once when Serve stops us: the engine aborts the request
+                yield encode_chunk(chunk)
+
+    async def info(self) -> dict:
+        """Model facts the gateway needs, and live stats for /health and /metrics."""
+        facts = self.backend.facts
+        stats = asdict(self.backend.stats())
+        if self.publisher is not None:
+            stats["publisher"] = asdict(self.publisher.stats)
+        if self.kv_pull is not None:
+            stats["kv_pull"] = asdict(self.kv_pull.snapshot())
+        return {
+            "replica": self.replica_id,
+            "model_id": facts.model_id,
+            "max_model_len": facts.max_model_len,
+            "vocab_size": facts.vocab_size,
+            "block_size": facts.block_size,
+            "pool_tokens": facts.pool_tokens,
+            "engine": facts.engine,
+            "capabilities": asdict(self.backend.capabilities),
+            "pid": os.getpid(),
+            "torch_loaded": "torch" in sys.modules,
+            "stats": stats,
+            **self.backend.info_extra(),
+        }
+
+    async def export_kv(self, hashes: list[int], token_ids: list[int], first: int = 0):
+        """Another replica pulling a prefix asks for these blocks (replica/kv_io/kv_pull.py): the run of
+        hashes[first:] held here, or None."""
+        if self.kv_pull is None:
+            return None
+        return await self.kv_pull.export(hashes, token_ids, first)
+
+    async def check_health(self) -> None:
+        if not self.backend.alive:
+            raise RuntimeError("engine stopped")
+
+    async def __del__(self) -> None:
+        """Serve calls this after draining (ongoing requests finished, or its graceful timeout
+        spent): hand off what still runs, retract this replica's blocks from the index, exit."""
+        await drain_replica(self)

@@ -1,0 +1,42 @@
+"""A replica's heartbeat: its backend's load snapshot, its pulls, and its process facts, as one
+typed Heartbeat (router/protocol/redis_schema.py). A field that is not in the struct is a
+TypeError here, where the heartbeat is built, not a key that routers silently never read."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+from replica.backends.engine_protocol import EngineBackend
+from replica.kv_io.pull_load import PullLoad, add_pull_load
+from router.protocol.redis_schema import Heartbeat
+
+
+def build_heartbeat(backend: EngineBackend, puller: PullLoad | None,
+                    beats: collections.deque[tuple[int, int]] | None = None) -> Heartbeat:
+    """The heartbeat to write now. `beats` records (steps started, steps finished) per beat: it
+    shows that heartbeats go on while a long step runs (tests/test_replica_loop.py)."""
+    s = backend.stats()  # a snapshot: answers at once even during a long step
+    if beats is not None:
+        engine = getattr(backend, "engine", None)
+        counters = (engine.steps_started, engine.steps_finished) if hasattr(engine, "steps_started") else (s.steps, s.steps)
+        beats.append(counters)
+    load: dict[str, int | float] = {
+        "running": s.running,
+        "waiting": s.waiting,
+        "pending_prefill_tokens": s.pending_prefill_tokens,
+        "free_blocks": s.blocks_free,
+        "cached_blocks": s.blocks_cached,
+        "capacity_blocks": s.blocks_total,
+        "kv_pull": int(backend.capabilities.kv_pull),  # routers send pull hints only where 1
+        "pid": os.getpid(),
+        "generated_tokens": s.generated_tokens,
+    }
+    for medium, tier in s.tiers.items():  # the K/V tiers below the pool (issue 25)
+        load[f"{medium}_blocks"] = tier.blocks
+        load[f"{medium}_capacity_blocks"] = tier.capacity_blocks
+        load[f"kv_{medium}_bytes_per_s"] = tier.promotion_bytes_per_s
+    extra = backend.load_extra()
+    rates = {k: extra.pop(k) for k in ("kv_pull_bytes_per_s", "prefill_tokens_per_s") if k in extra}
+    load.update(extra)
+    return Heartbeat(**add_pull_load(load, puller, backend.facts.kv_bytes_per_token, rates or None))

@@ -1,0 +1,99 @@
+"""One request on a replica, as the chunks the gateway reads (router/protocol/messages.py).
+
+The request is re-validated as it enters (a malformed one is a 400 chunk, never half-run);
+the router's decision arrives beside it (`route`) and its pull hint, if any, runs before the
+engine sees the request; while the engine works without output, keepalives go out so the
+gateway's stall guard can tell slow from frozen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from replica.async_engine import EngineDeadError
+from replica.core.engine_types import InvalidRequestError
+from replica.serve.keepalive import with_keepalive
+from router.protocol.messages import (
+    KEEPALIVE_S,
+    AliveChunk,
+    Chunk,
+    DeltaChunk,
+    EndChunk,
+    ErrorChunk,
+    GenerateRequest,
+    RouteDecision,
+    StartChunk,
+    checked_request,
+)
+
+if TYPE_CHECKING:
+    from replica.serve.deployment import PrefixCacheReplica
+
+
+async def request_chunks(replica: PrefixCacheReplica, request: Any, route: RouteDecision | None) -> AsyncIterator[Chunk]:
+    yield StartChunk(replica.replica_id, route)
+    if replica.draining:  # a late arrival: the gateway continues it on another replica
+        yield ErrorChunk(503, "replica is shutting down", retry=True)
+        return
+    rec = replica.metrics.request()
+    try:
+        try:
+            request = checked_request(request)
+        except (msgspec.ValidationError, TypeError) as e:
+            raise InvalidRequestError(f"malformed request: {e}") from e
+        extras: dict = {}
+        # a pull hint can take up to kv_pull_timeout_s: keepalives go out meanwhile too
+        async with contextlib.aclosing(with_keepalive(_once(_engine_extras(replica, request, route)), KEEPALIVE_S)) as prep:
+            async for got in prep:
+                if got is None:
+                    yield AliveChunk()
+                else:
+                    extras = got
+        stream = replica.backend.generate(
+            request.prompt_token_ids, request.params, request_id=request.request_id,
+            cache_salt=request.cache_salt, **extras,
+        )
+        async with contextlib.aclosing(with_keepalive(stream, KEEPALIVE_S)) as outputs:
+            async for out in outputs:
+                if out is None:  # nothing new for a while: tell the gateway's stall guard we are here
+                    yield AliveChunk()
+                    continue
+                rec.output(out)
+                if out.new_token_ids or out.new_text:
+                    yield DeltaChunk(out.new_token_ids, out.new_text, getattr(out, "logprobs", None) or None)
+                if out.finished:
+                    if replica.kv_pull is not None:
+                        replica.kv_pull.observe(out)
+                    yield EndChunk(out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids))
+    except (InvalidRequestError, TypeError, ValueError) as e:
+        rec.done = True  # refused, never ran: not a finished request
+        yield ErrorChunk(400, str(e))
+    except EngineDeadError as e:  # failed or shutting down: another replica can continue it
+        yield ErrorChunk(503, str(e), retry=True)
+    finally:
+        rec.close()  # ended without finishing (client gone, engine failed): counted as abort
+
+
+async def _once(awaitable: Awaitable[dict]) -> AsyncIterator[dict]:
+    yield await awaitable
+
+
+async def _engine_extras(replica: PrefixCacheReplica, request: GenerateRequest, route: RouteDecision | None) -> dict:
+    """Keyword arguments for the backend beyond the prompt: a migrated stream's sent tokens, and
+    the K/V the router's pull hint brought (or, on a sim replica, the pull it models)."""
+    extra: dict = {}
+    if request.prefix_output_token_ids:  # a stream migrated from another replica
+        extra = {"prefix_output_token_ids": request.prefix_output_token_ids,
+                 "prefix_text_len": request.prefix_text_len}
+    pull = route.pull if route is not None else None
+    if pull is not None and replica.kv_pull is not None:
+        kv = await replica.kv_pull.pull(pull, request.prompt_token_ids, request.cache_salt)
+        if kv is not None:
+            extra["kv_prefix"] = kv  # imported with the request's own add, on the engine thread
+    if pull is not None and replica.settings.sim is not None and pull.replica_id != replica.replica_id:
+        extra["kv_pull_blocks"] = pull.num_blocks  # modelled pull (replica/backends/sim_engine.py)
+    return extra

@@ -1,0 +1,1 @@
+"""prefixgate: router.index."""
