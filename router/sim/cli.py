@@ -2,6 +2,7 @@
 
     python -m router.sim.cli --replicas 8 32 --capacity tight ample --json out/sim.json
     python -m router.sim.cli --replicas 8 --capacity 0.0025 --host-blocks 4x   # a host tier of 4 pools
+    python -m router.sim.cli --replicas 8 --capacity 600 2000 --policies affinity --audit   # why hits were lost
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from router.costs.service import ServiceModel
 from router.costs.transfer_model import TransferModel
 from router.policy import POLICIES, AffinityPolicy, Policy, make_policy
+from router.sim.audit import RoutingAudit, pooled_lru_per_request
 from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import PolicyResult
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
@@ -169,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "touch (most recent, as the real engine's export today), demote (next to evict)")
     add_tier_flags(p)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--audit", action="store_true",
+                   help="routing audit: split each run's gap to the pooled-LRU oracle into causes (lost tokens "
+                        "per cause, per policy and capacity; docs/simulator.md)")
+    p.add_argument("--audit-out", type=Path, default=None, metavar="FILE",
+                   help="write the audit's per-request records here, one JSON line each (implies --audit)")
     add_router_flags(p)
     return p
 
@@ -220,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     if not requests:
         print("prefixgate sim: empty workload", file=sys.stderr)
         return 2
+    audit = args.audit or args.audit_out is not None
+    audit_out = None
+    if args.audit_out is not None:
+        args.audit_out.parent.mkdir(parents=True, exist_ok=True)
+        audit_out = args.audit_out.open("w")
     distinct = distinct_blocks(requests)
     total = sum(len(r.hashes) for r in requests)
     unbounded = unbounded_hits(requests) / total
@@ -232,21 +244,33 @@ def main(argv: list[str] | None = None) -> int:
             cap = capacity_blocks(spec, distinct)
             tiers = TierConfig.from_flags(args.host_blocks, args.disk_blocks, cap)
             combined = cap + tiers.blocks  # per replica, pool and tiers: the oracle's share of it
-            pooled = pooled_lru_hits(requests, combined * n) / total
+            pooled_hits = pooled_lru_hits(requests, combined * n)
+            pooled = pooled_hits / total
             config = SimConfig(replicas=n, capacity_blocks=cap, service=service,
                                time_scale=scale, window_s=args.window, transfer=transfer,
                                pull_holder=args.pull_holder, router=router, tiers=tiers)
             rows = []
+            audits: list[str] = []
+            per_request = pooled_lru_per_request(requests, combined * n) if audit else None
             t0 = time.perf_counter()
             for name in args.policies:
-                result = run_policy(requests, sim_policy(name, args.seed, policy_opts, transfer), config)
+                recorder = RoutingAudit(config.block_size, router.publish_depth) if audit else None
+                result = run_policy(requests, sim_policy(name, args.seed, policy_opts, transfer), config, recorder)
                 result.hit_vs_pooled = result.hit_rate / pooled if pooled else float("nan")
                 rows.append(result)
+                if recorder is not None:
+                    summary = recorder.summarize(per_request, result.hit_blocks + result.pulled_blocks, pooled_hits)
+                    result.audit = summary.to_dict()
+                    audits.append(f"\nrouting audit: {name}, {n} replicas x {cap} blocks\n{summary.format(total)}")
+                    if audit_out is not None:
+                        recorder.write_jsonl(audit_out, policy=name, replicas=n, capacity_blocks=cap)
             below = f" + host {tiers.host_blocks} + disk {tiers.disk_blocks}" if tiers.blocks else ""
             print(f"\n== {n} replicas x {cap} blocks ({spec}){below}, time scale {scale:g}: "
                   f"pooled-LRU oracle hit {pooled:.1%} (at {combined * n} blocks), unbounded {unbounded:.1%} "
                   f"[{time.perf_counter() - t0:.0f}s]")
             print(format_table(rows))
+            for text in audits:
+                print(text)
             settings.append({
                 "replicas": n, "capacity": spec, "capacity_blocks": cap, "time_scale": scale,
                 "tiers": dataclasses.asdict(tiers), "oracle_pooled_blocks": combined * n,
@@ -262,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             "pull_holder": args.pull_holder, "router": dataclasses.asdict(router), "settings": settings,
         }
         args.json.write_text(json.dumps(payload, indent=2))
+    if audit_out is not None:
+        audit_out.close()
+        print(f"\naudit records: {args.audit_out}")
     return 0
 
 

@@ -19,6 +19,7 @@ from router.costs.transfer_model import TransferModel
 from router.index.memory_index import InMemoryIndex
 from router.policy import Policy
 from router.protocol.media import DISK, HOST
+from router.sim.audit import RoutingAudit
 from router.sim.metrics import PolicyResult, percentile, window_imbalance
 from router.sim.replica import Job, SimReplica
 from router.sim.router_config import SimRouterConfig
@@ -44,7 +45,10 @@ class SimConfig:
     tiers: TierConfig = field(default_factory=TierConfig)  # each replica's host and disk tiers
 
 
-def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) -> PolicyResult:
+def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
+               audit: RoutingAudit | None = None) -> PolicyResult:
+    """Replay `requests` under `policy`. With `audit`, every decision is also recorded there
+    (router/sim/audit.py; `audit.summarize` after the run); without it nothing is."""
     index = InMemoryIndex()
     reps = [
         SimReplica(f"r{i}", config.capacity_blocks, config.block_size, config.service, index, config.transfer,
@@ -54,7 +58,7 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
     by_id = {r.replica_id: r for r in reps}
     pos = {r.replica_id: i for i, r in enumerate(reps)}
     clock = SimClock()
-    router = SimRouter(policy, by_id, index, config.router, clock)
+    router = SimRouter(policy, by_id, index, config.router, clock, audit=audit is not None)
     span = (requests[-1].arrival / config.time_scale) if requests else 0.0
     # whole windows only: a trailing partial window holds fewer requests and reads noisier
     nwin = max(int(span // config.window_s), 1)
@@ -90,21 +94,27 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
                 if job.window < nwin:
                     work[job.window][pos[rep.replica_id]] += job.uncached
                 heapq.heappush(heap, (end, next(seq), _FINISH, rep, job))
+                if audit is not None:
+                    audit.admitted(job)
             else:
                 rep.finish(job)
             start(rep, now)
 
     bs = config.block_size
-    for req in requests:
+    for i, req in enumerate(requests):
         now = req.arrival / config.time_scale
         advance(now)
         if not reps[0].fits(req):
             rejected += 1
+            if audit is not None:
+                audit.rejected(i, req, now)
             continue
         clock.now = now
         routed = router.decide(router.route_request(req.hashes, req.input_tokens, bs, req.session_id))
         decision = routed.decision
         reasons[decision.reason] += 1
+        if audit is not None:  # before the commit and the enqueue: the state the decision saw
+            record = audit.decided(i, req, now, routed, router.tap, reps, router)
         rep = by_id[decision.replica_id]  # its queue is unbounded: the first choice always takes it
         router.routed(routed, rep.replica_id)
         held = index.match_media(req.hashes, [rep.replica_id])[rep.replica_id]  # what it really holds
@@ -120,6 +130,8 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig) ->
         else:
             job.est_uncached = max(req.input_tokens - local * bs, 1) + copy
         rep.enqueue(job)
+        if audit is not None:
+            audit.enqueued(job, record)
         prompt_blocks += len(req.hashes)
         start(rep, now)
     advance(math.inf)

@@ -53,6 +53,7 @@ class PolicyResult:
     disk_hit_blocks: int = 0  # ... and from the disk tier (the rest were in the device pool)
     tier_bytes: float = 0.0  # K/V bytes those copies moved
     tier_p99_s: float = math.nan  # modelled copy time per request with a tier hit
+    audit: dict | None = None  # with --audit: the gap to the ceilings by cause (router/sim/audit.py)
 
     @property
     def hit_rate(self) -> float:

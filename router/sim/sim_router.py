@@ -16,7 +16,8 @@ from collections.abc import Mapping
 
 from router.decider import Decider, InflightPrefixes, Routed, SessionMemory
 from router.index.memory_index import InMemoryIndex
-from router.policy import Policy, RouteRequest
+from router.policy import Policy, ReplicaView, RouteRequest
+from router.sim.audit import DecisionTap
 from router.sim.index import SimIndex
 from router.sim.loads import SimLoadTable
 from router.sim.replica import SimReplica
@@ -35,7 +36,7 @@ class SimClock:
 
 class SimRouter:
     def __init__(self, policy: Policy, replicas: Mapping[str, SimReplica], blocks: InMemoryIndex,
-                 config: SimRouterConfig, clock: SimClock) -> None:
+                 config: SimRouterConfig, clock: SimClock, audit: bool = False) -> None:
         self.policy = policy
         self.config = config
         self.clock = clock
@@ -46,13 +47,20 @@ class SimRouter:
         self.loads = SimLoadTable(replicas, clock, config.load_refresh_s if config.stale_loads else None,
                                   seed=config.seed)
         self.inflight = InflightPrefixes(config.inflight_ttl_s, keep_s=config.stale_memory_s, clock=clock)
-        self.decider = Decider(policy, self.loads, self.inflight, config.sampled_replicas,
+        # with the audit, the Decider calls the policy through a tap that keeps its last views
+        self.tap = DecisionTap(policy) if audit else None
+        self.decider = Decider(policy if self.tap is None else self.tap, self.loads, self.inflight, config.sampled_replicas,
                                SessionMemory(config.session_ttl_s, clock=clock))
         self._down = random.Random(f"{config.seed}:index-down")
         self.degraded = 0  # decisions that took the degraded path
 
     def queue_len(self, replica_id: str) -> int:
         return self.replicas[replica_id].queue_len()
+
+    def view(self, replica_id: str, matched: int) -> ReplicaView:
+        """The view the Decider would build for this replica now with this match (the audit's
+        price of a holder the policy did not score)."""
+        return self.decider._view(replica_id, matched, self.queue_len(replica_id), self.loads.pessimistic())
 
     def route_request(self, hashes: list[int], prompt_tokens: int, block_size: int,
                       session_id: str | None) -> RouteRequest:
