@@ -3,7 +3,7 @@ PY := .venv/bin/python
 # The suite runs in its written order; scripts/stress_suite.sh --shuffle runs it shuffled (pytest-randomly).
 PYTEST_ARGS ?= -p no:randomly
 
-.PHONY: install run test lint bench sim
+.PHONY: install run test test-fast lint bench sim
 
 install:
 	@bash scripts/bootstrap.sh
@@ -14,8 +14,13 @@ run: install
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The quick tiers only (tests/helpers/tiers.py): no Redis, Ray or vLLM, no slow test; about a minute.
+test-fast: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) -m "(pure or engine) and not slow"
+
 lint: install
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports --no-cache
 
 bench: install
 	$(PY) -m gateway.cli bench engine

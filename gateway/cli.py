@@ -44,6 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from replica.default_model import resolve_model
     from router.index.redis_index import redact
 
+    if not shutdown.supervised():  # the stack runs in a process group of its own (gateway/shutdown.py)
+        return shutdown.supervise(["serve", *args.argv])
     shutdown.install()  # SIGTERM/SIGINT from here on, start-up included, end in stack.stop() and exit 0
     shutdown.become_subreaper()  # and what the stack starts cannot outlive it unseen
     stack = None
@@ -70,7 +72,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except StackNotReady as e:  # say which deployment or dependency is not ready, and why
             print(f"[prefixgate] not ready: {e}", file=sys.stderr, flush=True)
             return 1
-        name = httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"]
+        # with API keys set, /v1/models wants one too: any configured key will do
+        auth = {"authorization": f"Bearer {next(iter(config.api_keys))}"} if config.api_keys else {}
+        name = httpx.get(f"{stack.url}/v1/models", headers=auth).json()["data"][0]["id"]
         print(f"\n[prefixgate] serving {name} at {stack.url}/v1  (Redis: {redact(stack.config.redis_url)})")
         if stack.metrics_port and not args.ray_address:
             print(f"[prefixgate] metrics of every replica and router (Ray): http://127.0.0.1:{stack.metrics_port}/metrics")
@@ -80,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         demo = httpx.post(
             f"{stack.url}/v1/chat/completions",
             json={"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32},
-            headers={"x-session-id": "demo"}, timeout=120,
+            headers={"x-session-id": "demo", **auth}, timeout=120,
         ).json()
         print(f"[prefixgate] demo answer: {demo['choices'][0]['message']['content']!r}  usage: {demo['usage']}")
         print("[prefixgate] serving until Ctrl-C", flush=True)
@@ -104,7 +108,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(args.url, args.session)
 
 
-def main(argv: list[str] | None = None) -> int:
+# Subcommands whose parser lives with their entry point: the raw argv after the name goes there
+# untouched (options, --help and all), so `prefixgate sim --replicas 8` is `python -m router.sim.cli --replicas 8`.
+DELEGATED = {
+    "bench": (None, "benchmarks: engine, router, serving"),
+    "sim": ("router.sim.cli", "replay a trace through simulated replicas, policy against policy"),
+    "loadtest": ("loadtest.cli", "Locust load tests against the gateway"),
+}
+BENCHES = {
+    "engine": ("loadtest.bench.engine_bench", "the engine: prefix reuse, batched decode, memory"),
+    "router": ("loadtest.bench.router_bench", "the router's Redis index: lookup latency per fleet size"),
+    "serving": ("loadtest.bench.serving_bench", "the serving path's ceiling: sim replicas at near-zero cost, streaming clients"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`prefixgate --help`; serve and chat parse here, the delegated subcommands in their own modules."""
     parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="bring up Redis, Ray, replicas and the gateway locally")
@@ -115,30 +134,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--session", default=None)
     p.set_defaults(fn=cmd_chat)
-    p = sub.add_parser("bench", help="benchmarks (engine)")
-    p.add_argument("what", choices=["engine", "router"])
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=lambda a: _delegate(f"bench_{a.what}", a.rest))
-    p = sub.add_parser("sim", help="replay a trace through simulated replicas, policy against policy", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=lambda a: _delegate("sim", a.rest))
-    p = sub.add_parser("loadtest", help="Locust load tests against the gateway", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=lambda a: _delegate("loadtest", a.rest))
-    args = parser.parse_args(argv)
+    for name, (_, text) in DELEGATED.items():  # listed in the help; main() forwards them before parsing
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    """`prefixgate bench` with no benchmark named, or --help: which ones there are."""
+    p = argparse.ArgumentParser(prog="prefixgate bench", description="Benchmarks; each takes its own options "
+                                "(`prefixgate bench engine --help`).")
+    sub = p.add_subparsers(dest="what", required=True)
+    for name, (_, text) in BENCHES.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        name, rest = argv[0], argv[1:]
+        if name == "bench":
+            if not rest or rest[0] not in BENCHES:
+                _bench_parser().parse_args(rest)  # prints the help, or says what is wrong; exits
+                return 2
+            name, rest = f"bench_{rest[0]}", rest[1:]
+        return _delegate(name, rest)
+    args = build_parser().parse_args(argv)
+    args.argv = argv[1:]  # as typed, for a command that re-runs itself (serve under its supervisor)
     return args.fn(args)
 
 
 def _delegate(name: str, rest: list[str]) -> int:
-    if name == "sim":
-        from router.sim.cli import main as entry
-    elif name == "loadtest":
-        from loadtest.cli import main as entry
-    elif name == "bench_engine":
-        from loadtest.bench.engine_bench import main as entry
+    import importlib
+
+    if name.startswith("bench_"):
+        module = BENCHES[name.removeprefix("bench_")][0]
     else:
-        from loadtest.bench.router_bench import main as entry
-    return entry(rest)
+        module = DELEGATED[name][0]
+    return importlib.import_module(module).main(rest)
 
 
 if __name__ == "__main__":

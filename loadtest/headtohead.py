@@ -38,6 +38,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gateway.local_redis import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "loadtest" / "results"
 SYSTEMS = ("prefixgate-vllm", "ray-llm-prefix", "ray-llm-pow2", "prefixgate-ours")
@@ -107,7 +109,7 @@ class Settings:
     model_name: str = MODEL_NAME
     model: str = ""  # model directory (resolved at start)
     bench: BenchSpec = field(default_factory=BenchSpec)
-    chat: dict = field(default_factory=dict)  # LoadSpec fields (loadtest/cli.py)
+    chat: dict = field(default_factory=dict)  # LoadSpec fields (loadtest/locust_run.py)
 
     def num_blocks(self, block_size: int) -> int:
         return self.pool_tokens // block_size
@@ -282,12 +284,6 @@ def report_markdown(result: dict) -> str:
 
 
 # ---- processes ---------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def port_free(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -479,7 +475,7 @@ def run_bench(s: Settings, system: System, out: Path, args: argparse.Namespace) 
 
 
 def run_chat(s: Settings, system: System, out: Path, args: argparse.Namespace) -> dict:
-    from loadtest.cli import LoadSpec, run_locust
+    from loadtest.locust_run import LoadSpec, run_locust
 
     spec = LoadSpec(**s.chat)
     summary = run_locust(spec, system.url, out, system.name)
@@ -578,7 +574,7 @@ def add_parser(sub) -> None:
     g.add_argument("--max-concurrency", type=int, default=8)
     g.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field of the chat load (loadtest/cli.py LoadSpec), e.g. users=4 (repeatable)")
+                   help="override a field of the chat load (loadtest/locust_run.py LoadSpec), e.g. users=4 (repeatable)")
     p.add_argument("--vllm-python", default=default_vllm_python(), help="the vLLM venv's interpreter")
     p.add_argument("--prefixgate", default=default_prefixgate(), help="the prefixgate command")
     p.add_argument("--start-timeout", type=float, default=900.0)
@@ -604,7 +600,7 @@ def chat_overrides(load: dict, items: list[str]) -> dict:
     """KEY=VALUE pairs over the chat load, each cast to the LoadSpec field's type."""
     from dataclasses import fields
 
-    from loadtest.cli import LoadSpec
+    from loadtest.locust_run import LoadSpec
 
     types = {f.name: type(f.default) for f in fields(LoadSpec)}
     out = dict(load)

@@ -19,9 +19,10 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from replica.core.detokenizer import Detokenizer
 from replica.core.engine_core import EngineCore
-from replica.core.engine_types import EngineConfig, InvalidRequestError, RequestOutput
+from replica.core.engine_types import InvalidRequestError, RequestOutput
 from replica.core.sequence import Sequence
 from replica.default_model import resolve_model
+from replica.engine_config import EngineConfig
 from replica.kv_io import kv_transfer
 from replica.kv_io.kv_tier_store import TierStore
 from replica.model.constrained import Grammars

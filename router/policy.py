@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import xxhash
 
-from router import registry
+from router import policy_table
 from router.costs.transfer_model import TransferModel
 from router.protocol.media import DISK, HOST
-from router.registry import register_policy
+from router.policy_table import register_policy
 
 
 @dataclass
@@ -510,13 +510,13 @@ class LeastLoadedPolicy(Policy):
 
 
 # Ours by name, in the order above (the default first): the registry's view, for the simulator.
-POLICIES: dict[str, type[Policy]] = {e.name: e.policy_class for e in registry.entries(registry.OURS)}
+POLICIES: dict[str, type[Policy]] = {e.name: e.policy_class for e in policy_table.entries(policy_table.OURS)}
 
 
 def make_policy(name: str, *, seed: int | None = None, **options) -> Policy:
     """Build a policy of ours by name or alias; unknown names, and Ray's routers (which only
     Ray Serve runs), raise ValueError listing ours."""
-    entry = registry.get(name)
+    entry = policy_table.get(name)
     if not entry.is_ours:
         raise ValueError(f"policy {entry.name!r} is Ray Serve's router, not one of ours; ours: {', '.join(POLICIES)}")
     return entry.policy_class(seed=seed, **options)

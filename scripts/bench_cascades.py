@@ -16,7 +16,8 @@ import time
 import torch
 
 import replica.model.model_runner as model_runner
-from loadtest.bench.engine_bench import batch_prompts, warm_up
+from loadtest.bench.engine_bench import warm_up
+from loadtest.bench.engine_workload import batch_prompts
 from replica.engine import LLMEngine
 from router.protocol.sampling import SamplingParams
 

@@ -1,41 +1,100 @@
-"""Shared fixtures: tiny random models of several families, and the real default model."""
+"""Fixtures and hooks only: tiny random models of several families, the real default model,
+Redis, the Ray Serve stack; the tier markers (tests/helpers/tiers.py). Helpers the test modules
+share live in tests/helpers/. torch loads in the fixtures that need it, not here: a pure test
+does not pay for it."""
 
 from __future__ import annotations
 
-import contextlib
 import os
+import sys
+import warnings
 
 import pytest
-import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+from tests.helpers.tiers import (
+    COLLECTED,
+    FIXTURE_TIERS,
+    item_params,
+    rank,
+    record,
+    tier_markers,
+    tier_of,
+)
 
-TINY_FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
-
-
-def _tiny_config(family: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    common = dict(
-        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family]
-    if family == "qwen3":
-        common["head_dim"] = 16
-    return cls(**common)
+TORCH_THREADS = min(2, os.cpu_count() or 1)
+_threads_set = False
 
 
+def _torch():
+    """torch, its thread count set for the suite (once, as the import at load time used to)."""
+    global _threads_set
+    import torch
+
+    if not _threads_set:
+        torch.set_num_threads(TORCH_THREADS)
+        _threads_set = True
+    return torch
+
+
+# ---- hooks ----------------------------------------------------------------------------------
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker: the tiers must be on by then
+def pytest_collection_modifyitems(config, items):
+    """One tier marker per test, from the fixtures it uses and the tier markers it carries
+    (tests/helpers/tiers.py); every collected test's record goes to the stash for
+    tests/test_tiers.py."""
+    collected = config.stash.setdefault(COLLECTED, {})
+    for item in items:
+        tier = tier_of(item.fixturenames, item_params(item), tier_markers(item))
+        if tier not in tier_markers(item):
+            item.add_marker(getattr(pytest.mark, tier))
+        collected[item.nodeid] = record(item)
+
+
+class _RuntimeFixtureTiers:
+    """A fixture asked for by name at run time (request.getfixturevalue) is not among the test's
+    fixturenames, so it did not count for the tier: warn when it needs a higher one. A plugin of
+    its own, not a conftest hook: session fixtures set up outside this directory's hooks."""
+
+    def pytest_fixture_setup(self, fixturedef, request):
+        need = FIXTURE_TIERS.get(fixturedef.argname)
+        item = getattr(request, "_pyfuncitem", None)
+        if need is None or item is None:
+            return
+        marked = tier_markers(item)
+        if marked and rank(need) > max(rank(t) for t in marked):
+            warnings.warn(pytest.PytestWarning(
+                f"{item.nodeid} is marked {marked[0]} but sets up `{fixturedef.argname}` ({need}): "
+                f"mark its module `pytestmark = pytest.mark.{need}` (tests/helpers/tiers.py)"), stacklevel=1)
+
+
+def pytest_configure(config):
+    if not config.pluginmanager.has_plugin("prefixgate-runtime-tiers"):
+        config.pluginmanager.register(_RuntimeFixtureTiers(), "prefixgate-runtime-tiers")
+
+
+def pytest_collection_finish(session):
+    if "torch" in sys.modules:  # test modules that import it did so at collection
+        _torch()
+
+
+def pytest_runtest_setup(item):
+    if "torch" in sys.modules and not _threads_set:  # or a test's own late import of it
+        _torch()
+
+
+# ---- models ---------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     """Randomly initialised, seeded models saved to disk (the engine loads from a directory)."""
     from transformers import AutoModelForCausalLM
 
+    from tests.helpers.engine import TINY_FAMILIES, tiny_config
+
+    torch = _torch()
     dirs = {}
     for family in TINY_FAMILIES:
         torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(_tiny_config(family))
+        model = AutoModelForCausalLM.from_config(tiny_config(family))
         path = tmp_path_factory.mktemp(f"tiny-{family}")
         model.save_pretrained(path)
         dirs[family] = str(path)
@@ -53,17 +112,8 @@ def default_model_dir() -> str:
 def hf_reference(default_model_dir):
     from transformers import AutoModelForCausalLM
 
+    _torch()
     return AutoModelForCausalLM.from_pretrained(default_model_dir, attn_implementation="sdpa").eval()
-
-
-def reference_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
-    """Plain transformers greedy decoding: the ground truth the engine must match."""
-    kwargs = {} if stop_at_eos else {"eos_token_id": None}
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-        pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs,
-    )
-    return out[0, len(prompt):].tolist()
 
 
 # ---- real services --------------------------------------------------------------------------
@@ -112,18 +162,3 @@ def redis_url(request) -> str:
     """The index tests run against both: a standalone redis-server and a 3-master cluster."""
     server = request.getfixturevalue("redis_server" if request.param == "standalone" else "redis_cluster")
     return server.url
-
-
-@contextlib.contextmanager
-def side_app(stack, name: str, config):
-    """A second Serve app beside the session stack at /name, fresh (an app left by an earlier run
-    is deleted first) and deleted on exit; yields its base URL."""
-    from ray import serve
-
-    if name in serve.status().applications:
-        serve.delete(name)
-    url = stack.deploy(config, name=name, route_prefix=f"/{name}")
-    try:
-        yield url
-    finally:
-        serve.delete(name)

@@ -12,13 +12,10 @@ from replica.core.scheduler import ScheduledChunk
 from replica.core.sequence import Sequence
 from replica.engine import LLMEngine, SamplingParams
 from replica.kernels import attention
-from replica.kernels.attention import (
-    AttentionMetadata,
-    DecodeCascade,
-    DecodeGroup,
-    KVPool,
-    UnsupportedModelError,
-)
+from replica.kernels.attention import UnsupportedModelError
+from replica.kernels.attention_metadata import AttentionMetadata, DecodeCascade, DecodeGroup, KVPool
+
+pytestmark = pytest.mark.engine  # tiny models and engines of its own
 
 
 @settings(max_examples=200, deadline=None)
@@ -138,6 +135,7 @@ _SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_l
               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, head_dim=16)
 
 
+@pytest.mark.slow
 def test_softcapping_model_is_refused(tmp_path):
     from transformers import Gemma2Config
 
@@ -156,6 +154,7 @@ def test_attention_sinks_are_refused(tmp_path):
         LLMEngine(path, block_size=4, num_blocks=16)
 
 
+@pytest.mark.slow
 def test_sliding_window_shorter_than_the_context(tmp_path):
     from transformers import MistralConfig
 
@@ -167,6 +166,7 @@ def test_sliding_window_shorter_than_the_context(tmp_path):
     assert len(out.token_ids) == 20 and engine.max_model_len == 64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d", [16, 64, 128])  # the generic function and the two of fixed head size
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cpu_decode_kernel_matches_dense_attention(dtype, tol, d):
@@ -216,6 +216,7 @@ def test_cpu_decode_kernel_refuses_other_index_types():
                              torch.tensor([3]), 4, 0.25, out)
 
 
+@pytest.mark.slow
 def test_engines_stepping_on_their_own_threads_keep_their_own_steps(tiny_model_dirs):
     """The step's metadata is per thread: two engines of one process, each stepping on its own
     thread (as AsyncLLMEngine does), give the tokens each gives alone."""

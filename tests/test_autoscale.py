@@ -12,7 +12,7 @@ import httpx
 import redis
 
 from router.protocol.redis_schema import RedisKeys
-from tests.test_gateway_e2e import MODEL
+from tests.helpers.stack import MODEL
 
 AUTOSCALING = {"min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
                "downscale_delay_s": 2.0, "metrics_interval_s": 0.5, "look_back_period_s": 1.0}

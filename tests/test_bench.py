@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from loadtest.bench import engine_bench as bench
+
+pytestmark = pytest.mark.slow  # the engine benchmark, short form
 
 
 def test_bench_engine_figures_are_consistent(tiny_model_dirs, tmp_path, capsys):

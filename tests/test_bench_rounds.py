@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import statistics
 
+import pytest
+
 from loadtest.bench import engine_bench as bench
+
+pytestmark = pytest.mark.slow  # the engine benchmark, short form
 
 
 def test_interleaved_rounds_report_medians(tiny_model_dirs, tmp_path, capsys):

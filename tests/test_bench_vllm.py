@@ -42,6 +42,7 @@ def test_missing_vllm_venv_exits_2_naming_make_install(tmp_path, capsys):
     assert "make install" in err and str(missing) in err
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_against_vllm_tiny_comparison(default_model_dir, tmp_path, capsys):
     python = bench_vllm.interpreter()

@@ -9,7 +9,7 @@ import uuid
 import httpx
 
 from gateway.config import AppConfig
-from tests.conftest import side_app
+from tests.helpers.stack import side_app
 
 APP = "compiled"
 MODEL = "SmolLM2-135M-Instruct"

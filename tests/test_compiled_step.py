@@ -13,7 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from loadtest.device import parity
 from replica.engine import LLMEngine, SamplingParams
-from tests.conftest import reference_greedy
+from tests.helpers.engine import reference_greedy
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]  # tiny models of its own, compiled
 
 
 def test_compiled_greedy_equals_eager_and_transformers(tiny_model_dirs):

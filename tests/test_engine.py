@@ -9,7 +9,9 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from replica.engine import LLMEngine, SamplingParams
-from tests.conftest import TINY_FAMILIES, reference_greedy
+from tests.helpers.engine import TINY_FAMILIES, reference_greedy
+
+pytestmark = pytest.mark.slow  # each test runs models beside transformers
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 

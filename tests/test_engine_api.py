@@ -89,6 +89,7 @@ def test_abort_frees_blocks(engine):
     assert engine.stats().blocks_used == 0 and not engine.has_unfinished
 
 
+@pytest.mark.slow
 def test_stop_strings_on_real_model(default_model_dir):
     engine = LLMEngine(default_model_dir, num_blocks=64)
     prompt = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])

@@ -14,6 +14,8 @@ import pytest
 
 from loadtest.device import parity
 
+pytestmark = pytest.mark.engine  # tiny models of its own (loadtest/device/parity.py)
+
 DEVICE = os.environ.get("PREFIXGATE_TEST_DEVICE", "cpu")
 
 

@@ -18,9 +18,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-import tests.test_gateway_e2e as e2e
 from router.protocol.redis_schema import RedisKeys
-from tests.conftest import side_app
+from tests.helpers.stack import MODEL, chat, side_app, three_turn_session
 
 APP = "e2e-cluster"
 
@@ -49,7 +48,7 @@ def _wait_published(gw, replica: str, timeout_s: float = 15.0) -> None:
 
 
 def _ask(gw, system: str, question: str, session: str) -> httpx.Response:
-    r = e2e.chat(gw, [{"role": "system", "content": system}, {"role": "user", "content": question}], session, max_tokens=8)
+    r = chat(gw, [{"role": "system", "content": system}, {"role": "user", "content": question}], session, max_tokens=8)
     assert r.status_code == 200, r.text
     return r
 
@@ -57,7 +56,7 @@ def _ask(gw, system: str, question: str, session: str) -> httpx.Response:
 class TestGatewayOnRedisCluster:
     def test_three_turn_session_grows_cache_and_stays_home(self, cluster_gateway):
         """The standalone test's assertions, unchanged, through the cluster."""
-        e2e.test_three_turn_session_grows_cache_and_stays_home(cluster_gateway)
+        three_turn_session(cluster_gateway)
         sessions = list(cluster_gateway.cluster.client().scan_iter(match=cluster_gateway.keys.session("*"), count=1000))
         assert sessions, "the router wrote no session key to the cluster"
 
@@ -77,7 +76,7 @@ class TestGatewayOnRedisCluster:
         # session: the point here is the usage the stream reports, not a close routing call
         tag = uuid.uuid4().hex[:6]
         messages = [{"role": "user", "content": f"Stream {tag}: " + "list the planets in order. " * 24}]
-        body = {"model": e2e.MODEL, "messages": messages, "max_tokens": 8, "stream": True,
+        body = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": True,
                 "stream_options": {"include_usage": True}}
         usages = []
         for _ in range(2):
@@ -95,12 +94,12 @@ class TestGatewayOnRedisCluster:
         """/v1/completions with token ids: the router hashes the same ids the replica caches."""
         base = [1000 + (i * 7919) % 40000 for i in range(160)]  # 10 full blocks, no chat template
         first = httpx.post(f"{cluster_gateway.url}/v1/completions", timeout=60,
-                           json={"model": e2e.MODEL, "prompt": base + [5], "max_tokens": 4})
+                           json={"model": MODEL, "prompt": base + [5], "max_tokens": 4})
         assert first.status_code == 200, first.text
         home = first.headers["x-prefixgate-replica"]
         _wait_published(cluster_gateway, home)
         r = httpx.post(f"{cluster_gateway.url}/v1/completions", timeout=60,
-                       json={"model": e2e.MODEL, "prompt": base + [6, 7], "max_tokens": 4})
+                       json={"model": MODEL, "prompt": base + [6, 7], "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert r.headers["x-prefixgate-replica"] == home and r.headers["x-prefixgate-route"] == "prefix"
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 160

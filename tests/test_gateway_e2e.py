@@ -4,43 +4,15 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
 import httpx
 import pytest
-import redis
 
-from router.protocol.redis_schema import RedisKeys
-
-MODEL = "SmolLM2-135M-Instruct"
-SYSTEM = "You are a patient geography tutor. Answer in one short sentence and name the country. " * 3
-
-
-def chat(stack, messages, session=None, **kw):
-    headers = {"x-session-id": session} if session else {}
-    body = {"model": MODEL, "messages": messages, "max_tokens": 24, **kw}
-    return httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+from tests.helpers.stack import MODEL, _replica_loads, chat, three_turn_session
 
 
 def test_three_turn_session_grows_cache_and_stays_home(stack):
-    session = f"s-{uuid.uuid4().hex[:6]}"
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
-    replicas, cached, prompt = [], [], []
-    for question in ["And of Germany?", "And of Italy?", None]:
-        r = chat(stack, messages, session)
-        assert r.status_code == 200, r.text
-        body = r.json()
-        replicas.append(r.headers["x-prefixgate-replica"])
-        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
-        prompt.append(body["usage"]["prompt_tokens"])
-        assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
-        if question:
-            messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
-                         {"role": "user", "content": question}]
-    assert len(set(replicas)) == 1, replicas
-    assert cached[1] > cached[0] and cached[2] > cached[1], cached
-    assert cached[2] >= prompt[1] - 16 - 8  # the whole previous turn, up to its unfinished last block
-    assert r.headers["x-prefixgate-route"] == "session"
+    three_turn_session(stack)
 
 
 def test_streaming_and_non_streaming_agree(stack):
@@ -165,13 +137,6 @@ def test_n_choices(stack):
     r = chat(stack, [{"role": "user", "content": "Say a word."}], n=2, seed=3, max_tokens=8)
     assert r.status_code == 200, r.text
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
-
-
-def _replica_loads(stack) -> list[dict]:
-    client = redis.Redis.from_url(stack.config.redis_url, decode_responses=True)
-    prefix = stack.config.key_prefix
-    beats = [client.hgetall(RedisKeys(prefix).heartbeat(rid)) for rid in client.smembers(RedisKeys(prefix).replicas)]
-    return [hb for hb in beats if hb]  # a killed replica's id lingers until garbage collection; its beat is gone
 
 
 def _generated(stack) -> int:

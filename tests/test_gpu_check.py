@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]  # scripts/gpu_check.sh runs tiny models
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -18,9 +18,10 @@ from gateway.health import check_redis
 from gateway.local_redis import LocalRedis
 from replica.default_model import DEFAULT_MODEL_NAME
 from router.protocol.redis_schema import RedisKeys
-from tests.conftest import side_app
+from tests.helpers.stack import side_app
 
 
+@pytest.mark.redis  # a redis-server of its own, restarted
 def test_first_probe_after_a_redis_restart_reconnects():
     server = LocalRedis().start()
     gw = SimpleNamespace(config=SimpleNamespace(redis_url=server.url), _redis=None)

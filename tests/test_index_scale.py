@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from loadtest.bench.router_bench import main
+
+pytestmark = pytest.mark.redis  # the benchmark starts a redis-server
 
 
 def test_commands_and_scored_replicas_do_not_grow_with_the_fleet(tmp_path):

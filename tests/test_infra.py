@@ -90,6 +90,7 @@ def test_cluster_commands(name):
         assert check.returncode == 0, f"{script}: {check.stderr}"
 
 
+@pytest.mark.redis  # the script starts a redis-server
 def test_redis_start_script_locks_redis_down(tmp_path):
     """infra/scripts/redis-start.sh as a head runs it (here without systemd: the daemonized
     fallback): a generated password in mode-600 files, the given address only, protected mode;
@@ -232,6 +233,7 @@ def test_serve_local_matches_cli_defaults():
 
 
 # ---- (3) two Ray nodes on this machine --------------------------------------------------------
+@pytest.mark.cluster  # two Ray nodes (tests/multinode_driver.py)
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_multinode_cluster_routes_session_back_to_worker_replica():

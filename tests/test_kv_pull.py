@@ -1,4 +1,4 @@
-"""Pulling a prefix's K/V from the replica that holds it (issue 15, docs/kv-pull.md).
+"""Pulling a prefix's K/V from the replica that holds it (docs/kv-pull.md).
 
 Engine level: two LLMEngine instances of the same model, blocks exported from one and imported
 into the other; greedy output must equal a plain recompute for every tiny family. Block
@@ -14,7 +14,7 @@ from replica.kv_io import kv_transfer
 from replica.kvcache.block_manager import BlockManager, BlockTable
 from router.protocol.hashing import block_hashes
 from router.protocol.sampling import SamplingParams
-from tests.conftest import TINY_FAMILIES
+from tests.helpers.engine import TINY_FAMILIES
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""Pulls between two real Serve replicas of the real model (the session `stack`), issue 15.
+"""Pulls between two real Serve replicas of the real model (the session `stack`).
 
 Requests go to a chosen replica through its actor (replica/kv_io/kv_pull.py's ReplicaCaller, the
 call Serve's handles make), so the test decides who holds a prefix and who pulls it. Greedy
@@ -32,7 +32,7 @@ from router.protocol.messages import (
 )
 from router.protocol.redis_schema import RedisKeys
 from router.protocol.sampling import SamplingParams
-from tests.conftest import side_app
+from tests.helpers.stack import side_app
 
 BLOCK = 16
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -152,7 +152,7 @@ def test_pull_between_replicas_matches_recompute_and_reaches_the_index(stack, ca
 
 def test_pull_metrics_reach_the_ray_scrape(stack, caller):
     """prefixgate_kv_pull_* through Ray's metrics: pulls by outcome, bytes and latency per pull."""
-    from tests.test_metrics import scrape, total
+    from tests.helpers.metrics import scrape, total
 
     a, b = _pair(stack)
     prompt = _prompt(20 * BLOCK + 5)  # one pull of its own (the suite may run in any order)

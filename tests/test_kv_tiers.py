@@ -1,4 +1,4 @@
-"""K/V tiers below the pool (issue 25): evicted blocks move down, hits move back up, every copy
+"""K/V tiers below the pool: evicted blocks move down, hits move back up, every copy
 lands where the bookkeeping says, and the real engine's greedy output after a host or disk hit
 equals a recompute."""
 
@@ -176,7 +176,7 @@ def test_copies_always_land_where_the_bookkeeping_says(ops, pool, host, disk):
 # ---- the real engine ----------------------------------------------------------------------
 from replica.engine import LLMEngine, SamplingParams  # noqa: E402
 from replica.model.model_runner import ModelRunner  # noqa: E402
-from tests.conftest import TINY_FAMILIES, reference_greedy  # noqa: E402
+from tests.helpers.engine import TINY_FAMILIES, reference_greedy  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""The host tier in the real stack (issue 25): a prefix pushed out of a replica's pool is
+"""The host tier in the real stack: a prefix pushed out of a replica's pool is
 published as held in host memory, stays routed to that replica, and comes back as a cache hit."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import redis
 
 from router.protocol.media import DEVICE, HOST, member, split_entry
 from router.protocol.redis_schema import RedisKeys
-from tests.test_gateway_e2e import chat
+from tests.helpers.stack import chat
 
 SYSTEM = ("You are the archivist of the Lighthouse Library. You answer questions about opening hours, "
           "loans, rare books and the reading room, briefly and precisely. ") * 4

@@ -16,7 +16,7 @@ from gateway.config import AppConfig
 from gateway.procstats import proc_memory, serve_replica_pids
 from replica.default_model import DEFAULT_MODEL_NAME
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serve]  # `fleet` asks for the stack by name
 APP = "simfleet"
 REPLICAS, GATEWAYS = 8, 2
 

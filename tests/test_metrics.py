@@ -20,8 +20,15 @@ import pytest
 
 from replica.core.request_metrics import RequestMetrics
 from replica.serve.metrics import token_buckets
-from tests.prometheus_live import LivePrometheus
-from tests.promql import parse
+from tests.helpers.metrics import (
+    Series,
+    our_dashboard_queries,
+    ray_serve_llm_queries,
+    scrape,
+    total,
+)
+from tests.helpers.prometheus_live import LivePrometheus
+from tests.helpers.promql import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
@@ -49,8 +56,6 @@ OUR_NAMES = [
     "ray_prefixgate_in_flight_requests", "ray_prefixgate_rejected_total", "ray_prefixgate_retries_total",
     "ray_prefixgate_migrations_total",
 ]
-# Ray's panels that need hardware or connectors we do not have
-RAY_EXCLUDED = ("nixl", "kv_offload", "external_prefix_cache")
 # Set by KubeRay's PodMonitor, not by Ray itself; the dashboard's "All" matches its absence
 NOT_OURS_LABELS = {"ray_io_cluster"}
 
@@ -86,38 +91,6 @@ def test_dashboard_json_is_what_the_script_builds():
 
 
 # ---- dashboards' queries ----------------------------------------------------------------------
-def _exprs(panels: list[dict]) -> list[str]:
-    out = []
-    for p in panels:
-        out += [t["expr"] for t in p.get("targets", []) if t.get("expr")]
-        out += _exprs(p.get("panels", []))
-    return out
-
-
-def _variable_queries(dashboard: dict) -> list[str]:
-    out = []
-    for v in dashboard.get("templating", {}).get("list", []):
-        query = v.get("query")
-        if isinstance(query, dict) and query.get("query"):
-            out.append(query["query"])
-    return out
-
-
-def our_dashboard_queries() -> list[str]:
-    d = json.loads((ROOT / "infra/grafana/prefixgate.json").read_text())
-    return _exprs(d["panels"]) + _variable_queries(d)
-
-
-def ray_serve_llm_queries() -> list[str]:
-    from ray.dashboard.modules.metrics.grafana_dashboard_factory import (
-        generate_serve_llm_grafana_dashboard,
-    )
-
-    d = json.loads(generate_serve_llm_grafana_dashboard()[0])
-    queries = _exprs(d["panels"]) + _variable_queries(d)
-    return [q for q in queries if not any(x in q for x in RAY_EXCLUDED)]
-
-
 def test_dashboards_have_queries():
     ours, rays = our_dashboard_queries(), ray_serve_llm_queries()
     assert len(ours) >= 20 and len(rays) >= 40, (len(ours), len(rays))
@@ -125,24 +98,6 @@ def test_dashboards_have_queries():
 
 
 # ---- the running stack --------------------------------------------------------------------------
-Series = dict[str, list[tuple[dict[str, str], float]]]
-
-
-def scrape(port: int) -> Series:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    series: Series = defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            series[s.name].append((dict(s.labels), s.value))
-    return series
-
-
-def total(series: Series, name: str, **match: str) -> float:
-    return sum(v for labels, v in series.get(name, []) if all(labels.get(k) == x for k, x in match.items()))
-
-
 def _chat(url: str, messages: list[dict], session: str, **kw) -> httpx.Response:
     body = {"model": MODEL, "messages": messages, "max_tokens": 8, **kw}
     return httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=180)

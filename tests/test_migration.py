@@ -53,6 +53,7 @@ def _migrate(engines, prompt, params, cut: int):
     return first, rest, joined_ids, joined_text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", [1, 9, 23])
 def test_greedy_continuation_is_identical(engines, cut):
     prompt = engines[0].apply_chat_template(PROMPT)
@@ -67,6 +68,7 @@ def test_greedy_continuation_is_identical(engines, cut):
     assert len(rest) == 40 - cut  # max_tokens accounted for the sent tokens
 
 
+@pytest.mark.slow
 def test_stop_string_spanning_the_cut(engines):
     """The stop string's first half was held back before the cut: the continuation finds the
     whole stop string and emits nothing of it."""
@@ -83,6 +85,7 @@ def test_stop_string_spanning_the_cut(engines):
         assert rest[-1].finish_reason == "stop" and stop not in text
 
 
+@pytest.mark.slow
 def test_seeded_continuation_is_reproducible(engines):
     prompt = engines[0].apply_chat_template(PROMPT)
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=derive_seed(42, 5), ignore_eos=True)
@@ -91,6 +94,7 @@ def test_seeded_continuation_is_reproducible(engines):
     assert len(ids1) == 20 and ids1[5:] == ids2[5:] and text1 == text2
 
 
+@pytest.mark.slow
 def test_continuation_is_validated(engines):
     from replica.engine import InvalidRequestError
 

@@ -3,7 +3,6 @@ simulator's pulls. Pure logic and the simulator: no Ray, no Redis, no model."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -15,6 +14,7 @@ from router.sim.cli import default_trace, main
 from router.sim.engine import SimConfig, run_policy
 from router.sim.oracle import pooled_lru_hits
 from router.sim.workload import SimRequest, load_mooncake
+from tests.helpers.index import loads_from_redis
 
 BS = 512
 TRACE = default_trace()
@@ -175,6 +175,7 @@ def test_sim_pull_after_eviction_falls_back_to_recompute():
     puller.finish(pull_done)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TRACE.exists(), reason="shared Mooncake trace not present")
 def test_mooncake_pulls_raise_hit_rate_towards_the_pooled_oracle():
     """First 4000 requests (the trace's warm-up, less reuse than the whole), 8 replicas of
@@ -217,7 +218,8 @@ def test_sim_engine_models_a_pull_as_cached_blocks_plus_transfer_time():
     as cached tokens, and its steps cost only the prefill left: as on a real replica, the pull
     happens before the engine sees the request, so it delays that request alone, never the
     running batch's steps."""
-    from replica.backends.sim_engine import SimEngine, SimEngineConfig
+    from replica.backends.sim_engine import SimEngine
+    from replica.engine_config import SimEngineConfig
     from router.protocol.sampling import SamplingParams
 
     bs = 16
@@ -371,20 +373,3 @@ def test_sim_holder_modes_change_only_the_holders_lru():
     assert all(r.pulled_blocks >= 8 for r in results.values())
     with pytest.raises(ValueError, match="pull_holder"):
         run_policy(reqs, make_policy("affinity-pull", seed=0), SimConfig(replicas=2, capacity_blocks=256, pull_holder="x"))
-
-
-def loads_from_redis(url: str, prefix: str, replica_ids: list[str]):
-    """A router's load table after one refresh from these replicas' heartbeats in a real Redis."""
-    from router.index.redis_index import RedisConfig, RedisIndex
-    from router.load_table import LoadTable
-
-    async def refreshed() -> LoadTable:
-        index = RedisIndex(RedisConfig(url, prefix, timeout_s=0.5))
-        loads = LoadTable(index)
-        loads.watch(replica_ids)
-        await loads.refresh()
-        await loads.close()
-        await index.close()
-        return loads
-
-    return asyncio.run(refreshed())

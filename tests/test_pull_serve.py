@@ -19,9 +19,8 @@ import httpx
 import pytest
 import redis
 
-import tests.test_gateway_e2e as e2e
 from router.protocol.redis_schema import RedisKeys
-from tests.conftest import side_app
+from tests.helpers.stack import MODEL, side_app
 
 APP = "pull-sim"
 BLOCK = 16
@@ -51,7 +50,7 @@ def _until(cond, what: str, timeout_s: float = 20.0):
 
 def _complete(gw, prompt: list[int], max_tokens: int) -> httpx.Response:
     r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
-                   json={"model": e2e.MODEL, "prompt": prompt, "max_tokens": max_tokens})
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
     assert r.status_code == 200, r.text
     return r
 

@@ -36,6 +36,8 @@ import yaml
 
 from gateway.local_redis import free_port
 
+pytestmark = pytest.mark.cluster  # `ray up` over SSH on loopback
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 APT_PACKAGES = {"/usr/sbin/sshd": "openssh-server", "/usr/bin/rsync": "rsync"}

@@ -12,7 +12,9 @@ import redis
 
 from gateway.local_redis import free_port
 from router.index.redis_index import IndexUnavailable, RedisConfig, RedisIndex, redact
-from tests.test_redis_index import FakeReplica, _matched, eventually
+from tests.helpers.index import FakeReplica, _matched, eventually
+
+pytestmark = pytest.mark.redis  # redis-servers of its own (password, TLS)
 
 
 def _start(args: list[str], tmp_path, ready: redis.Redis) -> subprocess.Popen:

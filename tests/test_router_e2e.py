@@ -9,7 +9,7 @@ import uuid
 import httpx
 
 from router.protocol.redis_schema import RedisKeys
-from tests.test_gateway_e2e import MODEL, chat
+from tests.helpers.stack import MODEL, chat
 
 LONG_SYSTEM = (
     "You are the support assistant of Northwind Traders. You answer questions about orders, "

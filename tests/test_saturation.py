@@ -13,7 +13,7 @@ import httpx
 import redis
 
 from router.protocol.redis_schema import RedisKeys
-from tests.test_gateway_e2e import MODEL
+from tests.helpers.stack import MODEL
 
 
 def _evalsha_calls(client: redis.Redis) -> int:

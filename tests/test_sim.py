@@ -136,6 +136,7 @@ def test_cli_writes_json(tmp_path, capsys):
     assert main(["--workload", "rag", "--service", "no_such_field=1"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TRACE.exists(), reason="shared Mooncake trace not present")
 def test_mooncake_affinity_beats_the_baselines_at_8_replicas():
     """First 6000 requests of the real trace, 8 replicas, tight capacity (1% of the distinct

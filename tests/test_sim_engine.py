@@ -15,8 +15,9 @@ import time
 import pytest
 
 from replica.async_engine import AsyncLLMEngine
-from replica.backends.sim_engine import SimEngine, SimEngineConfig, StepLag, fake_token_text
+from replica.backends.sim_engine import SimEngine, StepLag, fake_token_text
 from replica.core.engine_types import InvalidRequestError
+from replica.engine_config import SimEngineConfig
 from router.costs.service import ServiceModel
 from router.index.memory_index import InMemoryIndex
 from router.protocol.sampling import SamplingParams

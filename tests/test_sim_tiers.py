@@ -1,4 +1,4 @@
-"""K/V tiers below the pool in the simulator and the sim engine (issue 25): hits counted per
+"""K/V tiers below the pool in the simulator and the sim engine: hits counted per
 tier, their copy charged at the modelled rate, the oracle at the combined capacity."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 
 from loadtest.fleet import FleetSpec, app_config, settings_for
 from loadtest.fleet_report import oracles
-from replica.backends.sim_engine import SimEngine, SimEngineConfig
+from replica.backends.sim_engine import SimEngine
+from replica.engine_config import SimEngineConfig
 from router.costs.service import ServiceModel
 from router.costs.transfer_model import NVME_DISK_BYTES_S, PCIE_HOST_BYTES_S, TransferModel
 from router.index.memory_index import InMemoryIndex

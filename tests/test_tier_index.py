@@ -36,8 +36,7 @@ from router.protocol.redis_schema import RedisKeys
 from router.sim.index import SimIndex
 from router.sim.sim_router import SimClock
 from router.vllm_events import AdapterConfig, EventTranslator, VllmEventAdapter
-from tests.test_pull_policy import loads_from_redis
-from tests.test_redis_index import sync_client
+from tests.helpers.index import loads_from_redis, sync_client
 
 BS = 16
 MODEL = "tier-model"

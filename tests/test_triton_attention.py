@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]  # the kernels, and the engine on them
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_TILES = (16, 16, 16)  # several tiles per row and per chunk on these tiny steps
 

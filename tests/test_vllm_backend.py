@@ -25,12 +25,11 @@ from hypothesis import given, settings
 from gateway.config import AppConfig
 from replica.backends.vllm_settings import vllm_python
 from router.protocol.redis_schema import RedisKeys
-from tests.conftest import side_app
-from tests.test_faults import _assert_well_formed, _stream, _take
-from tests.test_fuzz_api import CHAT_FIELDS, COMPLETION_FIELDS, FUZZ, _fuzz, bodies
-from tests.test_gateway_e2e import MODEL
+from tests.helpers.fuzz import CHAT_FIELDS, COMPLETION_FIELDS, FUZZ, _fuzz, bodies
+from tests.helpers.stack import MODEL, side_app
+from tests.helpers.streams import _assert_well_formed, _stream, _take
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 NUM_BLOCKS = 96  # per replica, 32-token blocks: 3,072 tokens each
 BLOCK = 32

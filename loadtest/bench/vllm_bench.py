@@ -23,14 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench import engine_bench as bench
+from loadtest.bench import engine_workload as workload
 from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE, VLLM_VENV
 from replica.engine import LLMEngine
 
 MISSING_EXIT = 2  # `--against vllm` without a vLLM interpreter
 REPO = Path(__file__).resolve().parents[2]
 WARMUP_TOKENS = 8  # warm-up batches: the measured batch's shape, other prompts, a few decode steps
-TARGETS = {(16, 64): 1.0, (64, 32): 1.3}  # issue 22: ours / vLLM throughput, medians of 3 rounds
+TARGETS = {(16, 64): 1.0, (64, 32): 1.3}  # ours / vLLM throughput, medians of 3 rounds
 
 WARMUP_SYSTEM_TEXT = (
     "You are the booking assistant of a small hotel by the sea. Rooms are available from April to "
@@ -233,9 +233,9 @@ class VllmComparison:
 
 def warmup_prompts(engine: LLMEngine, requests: int, system_tokens: int) -> list[list[int]]:
     """The measured batch's shape, none of its tokens: a warm-up must not seed the cache."""
-    system = bench.exact_tokens(engine, WARMUP_SYSTEM_TEXT, system_tokens)
-    return [system + bench.exact_tokens(engine, f" (warm-up {i}) " + bench.QUESTIONS[-1 - i % len(bench.QUESTIONS)],
-                                              bench.QUESTION_TOKENS)
+    system = workload.exact_tokens(engine, WARMUP_SYSTEM_TEXT, system_tokens)
+    return [system + workload.exact_tokens(engine, f" (warm-up {i}) " + workload.QUESTIONS[-1 - i % len(workload.QUESTIONS)],
+                                           workload.QUESTION_TOKENS)
             for i in range(requests)]
 
 
@@ -251,14 +251,14 @@ def compare(engine: LLMEngine, args: argparse.Namespace, python: Path, say: Call
     if args.vllm_block_size % VLLM_BLOCK_MULTIPLE:
         raise ValueError(f"--vllm-block-size must be a multiple of {VLLM_BLOCK_MULTIPLE} on vLLM's CPU backend")
     dtype = str(engine.runner.dtype).removeprefix("torch.")
-    prompts = bench.batch_prompts(engine, args.requests, args.system_tokens)
+    prompts = workload.batch_prompts(engine, args.requests, args.system_tokens)
     warm = warmup_prompts(engine, args.requests, args.system_tokens)
     n = args.new_tokens
     say(f"== Against vLLM: starting its CPU engine in {python} ({'eager' if args.vllm_eager else 'torch.compile'}) ...")
     with VllmWorker(python, _vllm_job(engine, args, dtype)) as worker:
         say(f"  vLLM ready in {worker.ready_s:.1f} s (LLM() {worker.startup_s:.1f} s); warming both up")
         t0 = time.perf_counter()
-        bench.run_ours(engine, warm, WARMUP_TOKENS)
+        workload.run_ours(engine, warm, WARMUP_TOKENS)
         ours_warmup_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         worker.call({"op": "batch", "prompts": warm, "max_tokens": WARMUP_TOKENS})
@@ -271,12 +271,12 @@ def compare(engine: LLMEngine, args: argparse.Namespace, python: Path, say: Call
             order.append("ours,vllm" if ours_first else "vllm,ours")
             for who in ("ours", "vllm") if ours_first else ("vllm", "ours"):
                 if who == "ours":
-                    res, tokens = bench.run_ours(engine, prompts, n)
+                    res, tokens = workload.run_ours(engine, prompts, n)
                     ours_s.append(res.ours_s)
                     ours_tps.append(res.ours_tok_s)
                 else:
                     got = worker.call({"op": "batch", "prompts": prompts, "max_tokens": n})
-                    bench._exact(got["token_ids"], n, "vLLM")
+                    workload.require_length(got["token_ids"], n, "vLLM")
                     vllm_s.append(got["elapsed_s"])
                     vllm_tps.append(got["output_tokens"] / got["elapsed_s"])
             if first is None:
@@ -297,8 +297,8 @@ def compare(engine: LLMEngine, args: argparse.Namespace, python: Path, say: Call
 def seed_ttft(engine: LLMEngine, worker: VllmWorker, new_tokens: int) -> SeedTtft:
     """Scenario 1 on both, back to back: ours again (so both run beside a live vLLM process),
     then vLLM without the cache (reset before each request) and with it (reset once)."""
-    ours = bench.scenario_seed(engine, new_tokens)
-    prompts = bench.seed_prompts(engine)
+    ours = workload.scenario_seed(engine, new_tokens)
+    prompts = workload.seed_prompts(engine)
     cold = worker.call({"op": "one_by_one", "prompts": prompts, "max_tokens": new_tokens, "reset_each": True})
     warm = worker.call({"op": "one_by_one", "prompts": prompts, "max_tokens": new_tokens})
     ms = [t * 1e3 for t in warm["ttft_s"]]
@@ -322,12 +322,12 @@ def report(c: VllmComparison, say: Callable[..., None]) -> None:
         f"ours warm-up {c.ours_warmup_s:.1f} s: other prompts, excluded from throughput")
     say(f"  scenario 2: {c.requests} requests x {c.prompt_tokens // c.requests} prompt tokens, {c.new_tokens} new tokens, "
         f"{len(r.ours_tok_s)} interleaved rounds (order {' | '.join(c.order)}), prefix caches reset per round")
-    say(f"  {'ours':<6} {r.ours_median:7.1f} output tok/s median (rounds {bench._fmt(r.ours_tok_s)}; s {bench._fmt(c.ours_s_rounds, 2)})")
-    say(f"  {'vLLM':<6} {r.vllm_median:7.1f} output tok/s median (rounds {bench._fmt(r.vllm_tok_s)}; s {bench._fmt(c.vllm_s_rounds, 2)})")
-    say(f"  ratio ours / vLLM: x{r.ratio:.2f} (median / median; per round {bench._fmt(r.ratio_rounds, 2)})")
+    say(f"  {'ours':<6} {r.ours_median:7.1f} output tok/s median (rounds {workload.fmt_values(r.ours_tok_s)}; s {workload.fmt_values(c.ours_s_rounds, 2)})")
+    say(f"  {'vLLM':<6} {r.vllm_median:7.1f} output tok/s median (rounds {workload.fmt_values(r.vllm_tok_s)}; s {workload.fmt_values(c.vllm_s_rounds, 2)})")
+    say(f"  ratio ours / vLLM: x{r.ratio:.2f} (median / median; per round {workload.fmt_values(r.ratio_rounds, 2)})")
     verdict = target_verdict(c.requests, c.new_tokens, r.ratio)
     if verdict:
-        say(f"  issue 22 {verdict}")
+        say(f"  target {verdict}")
     say(f"  scenario 1 TTFT ({s.requests} requests one at a time, {s.new_tokens} new tokens): warm median ours "
         f"{s.ours_warm_median_ms:.1f} ms, vLLM {s.vllm_warm_median_ms:.1f} ms (vLLM/ours x{s.warm_ratio:.2f}); "
         f"cold first ours {s.ours_cold_first_ms:.1f} ms, vLLM {s.vllm_cold_first_ms:.1f} ms; no-cache median ours "

@@ -16,7 +16,7 @@ import torch
 from replica.core.scheduler import ScheduledChunk
 from replica.core.sequence import Sequence
 from replica.kernels import attention
-from replica.kernels.attention import KVPool
+from replica.kernels.attention_metadata import KVPool
 from replica.model.model_runner import ModelRunner
 from router.protocol.sampling import SamplingParams
 

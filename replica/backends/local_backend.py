@@ -12,7 +12,8 @@ from typing import Any
 
 from replica.async_engine import AsyncLLMEngine
 from replica.backends.engine_protocol import Capabilities, ModelFacts
-from replica.core.engine_types import EngineConfig, EngineStats, RequestOutput
+from replica.core.engine_types import EngineStats, RequestOutput
+from replica.engine_config import EngineConfig
 from replica.kvcache.block_manager import KVEventListener
 from router.protocol.sampling import SamplingParams
 
@@ -43,7 +44,8 @@ class LocalBackend:
     @classmethod
     async def create(cls, engine_config: EngineConfig, sim: dict | None, torch_threads: int) -> LocalBackend:
         if sim is not None:
-            from replica.backends.sim_engine import SimEngine, SimEngineConfig
+            from replica.backends.sim_engine import SimEngine
+            from replica.engine_config import SimEngineConfig
 
             return cls(SimEngine(SimEngineConfig(**sim)), "sim")
         import torch

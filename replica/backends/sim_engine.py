@@ -20,81 +20,25 @@ more than 10% lag does not measure what it claims (scale time down until the lag
 
 from __future__ import annotations
 
-import json
 import time
 from array import array
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import xxhash
 
 from replica.core.detokenizer import Detokenizer
 from replica.core.engine_core import EngineCore
-from replica.core.engine_types import BLOCK_SIZE, MAX_NUM_SEQS, RequestOutput, TierUsage
+from replica.core.engine_types import RequestOutput, TierUsage
 from replica.core.scheduler import ScheduledChunk
 from replica.core.sequence import Sequence
-from router.costs.service import ServiceModel
+from replica.engine_config import SimEngineConfig
 from router.costs.tier_costs import copy_s, tier_rate
-from router.costs.transfer_model import TransferModel
 from router.protocol.sampling import SamplingParams
 
-__all__ = ["SimEngine", "SimEngineConfig", "StepLag", "fake_token_text"]
+__all__ = ["SimEngine", "StepLag", "fake_token_text"]
 
 LAG_LIMIT = 0.10  # a step more than 10% over its modelled time counts as lagging
 _LAG_BUCKETS = 1000  # histogram of actual/modelled in 1% buckets, last one open-ended
-
-
-@dataclass
-class SimEngineConfig:
-    model_id: str = "sim"  # identity in block hashes (the gateway's and router's model id)
-    block_size: int = BLOCK_SIZE
-    num_blocks: int = 1024
-    max_num_seqs: int = MAX_NUM_SEQS
-    max_num_batched_tokens: int = 2048  # the service model's prefill chunk (decodes included)
-    max_model_len: int = 4096
-    vocab_size: int = 49152
-    eos_token_ids: list[int] = field(default_factory=list)  # never emitted as fake output
-    time_scale: float = 1.0  # run the service model this many times faster in wall time
-    service: dict[str, float] = field(default_factory=dict)  # ServiceModel field overrides
-    # K/V pulls (the router's pull hint): modelled like the simulator's, GPU-like defaults
-    kv_bytes_per_token: float = TransferModel.kv_bytes_per_token
-    pull_bytes_per_s: float = TransferModel.bytes_per_s
-    pull_fixed_s: float = TransferModel.fixed_s
-    # K/V tiers below the pool, per replica in blocks (0: none), and their modelled rates back into it
-    host_blocks: int = 0
-    disk_blocks: int = 0
-    kv_host_bytes_per_s: float = TransferModel.host_bytes_per_s
-    kv_disk_bytes_per_s: float = TransferModel.disk_bytes_per_s
-
-    @classmethod
-    def for_model_dir(cls, path: str | Path, **kwargs) -> SimEngineConfig:
-        """Vocabulary, context and end-of-sequence ids of a real model, read from its JSON
-        files (no weights, no transformers), so prompts tokenised for it validate the same."""
-        path = Path(path)
-        cfg = json.loads((path / "config.json").read_text())
-        eos = cfg.get("eos_token_id")
-        gen = path / "generation_config.json"
-        if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
-        facts = {
-            "vocab_size": int(cfg["vocab_size"]),
-            "eos_token_ids": [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)],
-        }
-        limit = cfg.get("max_position_embeddings")
-        if limit:
-            facts["max_model_len"] = min(int(limit), kwargs.pop("max_model_len", None) or int(limit))
-        return cls(**{**facts, **kwargs})
-
-    def transfer_model(self) -> TransferModel:
-        """What a pull or a tier copy costs (unscaled): the simulator's transfer model with these figures."""
-        return TransferModel(self.kv_bytes_per_token, self.pull_bytes_per_s, self.pull_fixed_s,
-                             1.0 / self.service_model().prefill_s_per_token, self.kv_host_bytes_per_s,
-                             self.kv_disk_bytes_per_s)
-
-    def service_model(self) -> ServiceModel:
-        """The unscaled service model, with the chunk and batch limits this engine runs."""
-        return ServiceModel(**{**self.service, "chunk_tokens": self.max_num_batched_tokens, "max_running": self.max_num_seqs})
 
 
 class StepLag:

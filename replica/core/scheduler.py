@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from replica.core.engine_types import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from replica.core.sequence import Sequence, Status
+from replica.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from replica.kvcache.block_manager import BlockManager
 
 

@@ -8,7 +8,8 @@ K/V gathered from the pool through its block table. Cached prefix blocks are rea
 Decode rows are grouped by context length (see DecodeGroup) so the K/V read per layer follows
 the real tokens, and blocks that several decodes' contexts start with (a shared system prompt
 hit in the prefix cache) are read once for all of them (cascade attention, see DecodeCascade);
-decode softmax runs in float32 also for bf16 pools. All of it is described by metadata that
+decode softmax runs in float32 also for bf16 pools. All of it is described by metadata
+(replica/kernels/attention_metadata.py) that
 ModelRunner.prepare builds once per step as tensors (block tables, masks and what every layer
 derives from them), so a layer runs tensor operations only; under torch.compile this whole
 function is one opaque operator of the graph (`prefixgate::paged_attention`,
@@ -17,101 +18,21 @@ needs what is not implemented here (soft-capping, sinks, a sliding window shorte
 context) are refused at load time with UnsupportedModelError.
 
 Registered as the attention implementation "prefixgate_paged" (plus a mask function that
-builds nothing: masks come from the metadata below), so any transformers model that uses
+builds nothing: masks come from the step's metadata), so any transformers model that uses
 the attention interface (Llama, Qwen2, Qwen3, Mistral, ...) runs unmodified.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from replica.kernels import cpu_attention
+from replica.kernels.attention_metadata import AttentionMetadata, DecodeGroup
 
 PAGED_ATTENTION = "prefixgate_paged"
-
-
-@dataclass
-class KVPool:
-    """K and V for every layer: [num_layers, kv_heads, num_blocks * block_size, head_dim].
-
-    Head-major, so a gather of whole blocks is already laid out [kv_heads, tokens, head_dim],
-    the shape attention multiplies: no second copy to reorder it.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @classmethod
-    def allocate(cls, layers: int, slots: int, kv_heads: int, head_dim: int, dtype, device) -> KVPool:
-        shape = (layers, kv_heads, slots, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-
-
-@dataclass
-class PrefillSegment:
-    """Queries rows [q_start, q_end) of one request attending over kv_slots (its whole context)."""
-
-    q_start: int
-    q_end: int
-    kv_slots: torch.Tensor | None  # None: no cached prefix, attend over the new K/V directly
-    mask: torch.Tensor | None  # [q, kv] bool, None when plain causal
-
-
-@dataclass
-class DecodeGroup:
-    """Decode rows [start, end) whose contexts have similar lengths, padded to the longest.
-
-    Decodes are sorted by context length and cut into groups whose padded size stays within
-    twice their real tokens, so the K/V gathered per layer follows the tokens that exist (32
-    short contexts next to 1 long one never pad the short ones to the long one's length).
-    """
-
-    start: int
-    end: int
-    block_tables: torch.Tensor  # [b, M] block ids of each row's context
-    mask: torch.Tensor | None  # [1, b, 1, M * block_size] True where a slot is valid; None: all
-    # derived once per step, read by every layer
-    flat_tables: torch.Tensor = field(init=False, repr=False)
-    invalid: torch.Tensor | None = field(init=False, repr=False)  # ~mask: the slots every layer masks out
-
-    def __post_init__(self) -> None:
-        self.flat_tables = self.block_tables.reshape(-1)
-        self.invalid = None if self.mask is None else ~self.mask
-
-
-@dataclass
-class DecodeCascade:
-    """Decode rows [start, end) whose contexts start with the same physical `prefix_blocks`.
-
-    The prefix's keys are multiplied by all these rows at once (one matrix product per KV head)
-    and each row's softmax spans those scores and its own suffix's, so a system prompt shared by
-    many requests is read once per step instead of once per request. `prefix_blocks` None: no
-    shared prefix. `groups` cover [start, end) with absolute row ranges, block tables past the prefix.
-    """
-
-    start: int
-    end: int
-    prefix_blocks: torch.Tensor | None
-    groups: list[DecodeGroup] = field(default_factory=list)
-
-
-@dataclass
-class AttentionMetadata:
-    pool: KVPool
-    slot_mapping: torch.Tensor  # [T] pool slot of each new token
-    prefills: list[PrefillSegment] = field(default_factory=list)
-    block_size: int = 16
-    num_decodes: int = 0  # the first num_decodes rows are single-token decodes
-    decode_cascades: list[DecodeCascade] = field(default_factory=list)  # cover rows [0, num_decodes)
-    max_context: int = 0  # longest context in the step (checked against a sliding window)
-    # the decode rows for the CPU kernel (replica/kernels/cpu_attention.py); None: the torch path's cascades
-    decode_tables: torch.Tensor | None = None  # every decode row's whole block table, concatenated
-    decode_offsets: torch.Tensor | None = None  # [num_decodes + 1] where each row's table starts
-    decode_lens: torch.Tensor | None = None  # [num_decodes] each row's context length
 
 
 _step = threading.local()  # .meta: the step the calling thread's forward runs (engines in one process each have theirs)

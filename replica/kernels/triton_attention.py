@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from replica.kernels.attention import AttentionMetadata
+from replica.kernels.attention_metadata import AttentionMetadata
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit below, at import
 # the interpreter's tl.dot gets bfloat16 operands wrong (float16 and float32 are right): there the

@@ -41,10 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("prefixgate.replica.kv_pull")
 
 TRANSPORT = "ray-object-store"
-RDT_UNAVAILABLE = (
-    "Ray Direct Transport needs @ray.remote(enable_tensor_transport=True) on the actor class; "
-    "Serve's replica actors are created without it (Ray 2.60)"
-)
 PULL_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PULL_BYTES_BUCKETS = tuple(float(m * 10**e) for e in range(4, 11) for m in (1, 2, 5))
 OUTCOMES = ("ok", "empty", "timeout", "failed", "skipped")

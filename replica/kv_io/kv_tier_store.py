@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from replica.kernels.attention import KVPool
+from replica.kernels.attention_metadata import KVPool
 from replica.kvcache.kv_tiers import CopyStats, TierMove
 from router.protocol.media import DEVICE, HOST
 

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from replica.engine import LLMEngine
-    from replica.kernels.attention import KVPool
+    from replica.engine_config import EngineConfig
+    from replica.kernels.attention_metadata import KVPool
+    from replica.kvcache.block_manager import BlockManager
 
 
 class KvTransferError(RuntimeError):
@@ -107,14 +108,30 @@ def write_blocks(pool: KVPool, block_ids: list[int], kv: KvBlocks, rows: list[in
 
 
 # ---- engine-level operations (run on the engine's thread: they touch the block manager) ----
-def pin(engine: LLMEngine, hashes: list[int], token_ids: list[int] | None, first: int = 0) -> list[int]:
+class _Runner(Protocol):
+    pool: KVPool
+
+
+class KvEngine(Protocol):
+    """What the operations below use of an engine (replica/engine.py's LLMEngine is one): its
+    block size, block manager, K/V pool and tier moves. Named here, not imported, so this module
+    stays below the engine that calls it."""
+
+    config: EngineConfig
+    blocks: BlockManager
+    runner: _Runner
+
+    def apply_tier_moves(self) -> None: ...
+
+
+def pin(engine: KvEngine, hashes: list[int], token_ids: list[int] | None, first: int = 0) -> list[int]:
     """Pin the run of `hashes[first:]` the engine holds (`token_ids`: the whole prompt, to
     refuse collisions); returns their block ids."""
     tokens = None if token_ids is None else token_ids[first * engine.config.block_size :]
     return engine.blocks.pin_prefix(hashes[first:], tokens)
 
 
-def import_blocks(engine: LLMEngine, kv: KvBlocks, hashes: list[int], token_ids: list[int] | None) -> int:
+def import_blocks(engine: KvEngine, kv: KvBlocks, hashes: list[int], token_ids: list[int] | None) -> int:
     """Insert received blocks whose hashes match the prompt's own (`hashes`, recomputed here, so
     a wrong or foreign payload can never enter the cache under a prompt's key). Blocks already
     held are skipped; returns how many blocks were registered."""
@@ -133,7 +150,7 @@ def import_blocks(engine: LLMEngine, kv: KvBlocks, hashes: list[int], token_ids:
     return blocks.finish_import(pairs, hashes, token_ids)
 
 
-def export_prefix(engine: LLMEngine, hashes: list[int], token_ids: list[int] | None, first: int = 0) -> KvBlocks:
+def export_prefix(engine: KvEngine, hashes: list[int], token_ids: list[int] | None, first: int = 0) -> KvBlocks:
     """Pin, read and release in one call, for single-threaded use (tests, benchmarks); a replica
     pins and releases on the engine thread and reads off it (PrefixCacheReplica.export_kv)."""
     block_ids = pin(engine, hashes, token_ids, first)

@@ -1,4 +1,4 @@
-"""What a replica's heartbeat carries for the router's pull pricing (issue 15, docs/kv-pull.md).
+"""What a replica's heartbeat carries for the router's pull pricing (docs/kv-pull.md).
 
 Torch-free, so a sim replica (which never loads torch) writes its heartbeat through it too.
 Every key written here must be a field of router/protocol/redis_schema.py's Heartbeat, or the

@@ -163,13 +163,6 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, hashes: list[int], num_tokens: int, token_ids: list[int] | None = None) -> list[int]:
-        """Block ids of the longest cached prefix, leaving at least the last token to compute.
-
-        With `token_ids`, a block whose stored tokens differ (a hash collision) ends the prefix.
-        """
-        return self._leading_run(hashes[: max(num_tokens - 1, 0) // self.block_size], token_ids)
-
     def _leading_run(self, hashes: list[int], token_ids: list[int] | None) -> list[int]:
         """Block ids held here for hashes[0], hashes[1], ... up to the first one missing (or,
         with `token_ids`, holding other tokens: a hash collision)."""

@@ -29,7 +29,7 @@ from torch import nn
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from replica.kernels import attention
-from replica.kernels.attention import AttentionMetadata, KVPool, PrefillSegment
+from replica.kernels.attention_metadata import AttentionMetadata, KVPool, PrefillSegment
 from replica.model import packed_linear
 
 log = logging.getLogger("prefixgate.replica.compile")

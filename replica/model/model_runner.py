@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from replica.core.scheduler import ScheduledChunk
 from replica.kernels import attention, cpu_attention
-from replica.kernels.attention import (
+from replica.kernels.attention_metadata import (
     AttentionMetadata,
     DecodeCascade,
     DecodeGroup,

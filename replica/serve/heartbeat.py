@@ -32,7 +32,7 @@ def build_heartbeat(backend: EngineBackend, puller: PullLoad | None,
         "pid": os.getpid(),
         "generated_tokens": s.generated_tokens,
     }
-    for medium, tier in s.tiers.items():  # the K/V tiers below the pool (issue 25)
+    for medium, tier in s.tiers.items():  # the K/V tiers below the pool
         load[f"{medium}_blocks"] = tier.blocks
         load[f"{medium}_capacity_blocks"] = tier.capacity_blocks
         load[f"kv_{medium}_bytes_per_s"] = tier.promotion_bytes_per_s

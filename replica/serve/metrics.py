@@ -74,7 +74,7 @@ class ReplicaMetrics:
         self.prefill = metric("histogram", "vllm_request_prefill_time_seconds", "First scheduled to first token", buckets=REQUEST_BUCKETS)
         self.decode = metric("histogram", "vllm_request_decode_time_seconds", "First token to last token", buckets=REQUEST_BUCKETS)
         self.inference = metric("histogram", "vllm_request_inference_time_seconds", "First scheduled to finish", buckets=REQUEST_BUCKETS)
-        # the K/V tiers below the pool (issue 25), per medium
+        # the K/V tiers below the pool, per medium
         self.tier_blocks = metric("gauge", "prefixgate_kv_tier_blocks", "Blocks held in a K/V tier below the pool", ["medium"])
         self.tier_capacity = metric("gauge", "prefixgate_kv_tier_capacity_blocks", "Capacity of a K/V tier below the pool", ["medium"])
         self.tier_hits = metric("counter", "prefixgate_kv_tier_hit_tokens", "Prompt tokens served from a lower tier (moved back, not recomputed)", ["medium"])

@@ -67,9 +67,6 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
 # The map-shaped events of vLLM 0.32: same names and fields, tagged by a "type" key.
 class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag_field="type"):
     pass
@@ -119,10 +116,6 @@ def decode_batch(payload: bytes) -> KVEventBatch:
         batch = _map_decoder.decode(payload)  # raises the same errors when neither shape fits
     events = [_AS_ARRAY[type(e)](**msgspec.structs.asdict(e)) for e in batch.events]
     return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
-
-
-def seq_bytes(seq: int) -> bytes:
-    return seq.to_bytes(8, "big", signed=True)
 
 
 def seq_from_bytes(data: bytes) -> int:

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import xxhash
 
 HASH_DOMAIN = b"prefixgate/v1\x00"
-_MAX_TOKEN_ID = 2**32 - 1
 
 
 def chain_seed(model_id: str, cache_salt: str | None = None) -> int:

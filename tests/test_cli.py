@@ -1,0 +1,78 @@
+"""The `prefixgate` command as users type it: every subcommand takes its own options and --help
+directly after its name (gateway/cli.py forwards the raw argv to the subcommand's entry point)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIXGATE = Path(sys.executable).parent / "prefixgate"  # the installed console script
+
+
+def prefixgate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(PREFIXGATE), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+# each subcommand, and options (or sub-subcommands) of its own that its help must list
+HELP = {
+    ("serve",): ["--redis-url", "--port", "--ray-address", "--metrics-port", "--policy"],
+    ("chat",): ["--url", "--session"],
+    ("bench",): ["engine", "router", "serving"],
+    ("bench", "engine"): ["prefixgate bench engine", "--requests", "--new-tokens", "--threads"],
+    ("bench", "router"): ["prefixgate bench router", "--blocks", "--prompt-tokens", "--cluster"],
+    ("bench", "serving"): ["prefixgate bench serving", "--streams", "--replicas", "--max-tokens", "--config"],
+    ("sim",): ["prefixgate sim", "--replicas", "--capacity", "--limit", "--policies", "--host-blocks"],
+    ("loadtest",): ["prefixgate loadtest", "run", "compare", "summarize", "plot"],
+    ("loadtest", "run"): ["--url", "--preset", "--plot"],
+}
+
+
+def test_console_script_installed():
+    assert PREFIXGATE.exists(), f"{PREFIXGATE}: run `make install`"
+
+
+@pytest.mark.parametrize("sub", [
+    pytest.param(sub, marks=pytest.mark.slow) if sub == ("bench", "engine") else sub  # imports torch: seconds
+    for sub in HELP
+], ids=" ".join)
+def test_subcommand_help(sub):
+    r = prefixgate(*sub, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage:"), r.stdout
+    for option in HELP[sub]:
+        assert option in r.stdout, f"{option!r} missing from `prefixgate {' '.join(sub)} --help`:\n{r.stdout}"
+
+
+def test_top_level_help_lists_every_subcommand():
+    r = prefixgate("--help")
+    assert r.returncode == 0, r.stderr
+    assert "{serve,chat,bench,sim,loadtest}" in r.stdout
+
+
+def test_sim_takes_options_directly():
+    r = prefixgate("sim", "--replicas", "2", "--capacity", "200", "--limit", "200")
+    assert r.returncode == 0, r.stderr
+    assert "workload mooncake: 200 requests" in r.stdout
+    assert "== 2 replicas x 200 blocks" in r.stdout
+    rows = {line.split()[0] for line in r.stdout.splitlines() if line.strip()}
+    for policy in ("affinity", "affinity-pull", "prefix", "session", "pow2", "random", "least-loaded"):
+        assert policy in rows, r.stdout
+
+
+@pytest.mark.parametrize("sub", [("serve",), ("sim",), ("loadtest", "run")], ids=" ".join)
+def test_unknown_option_is_refused(sub):
+    r = prefixgate(*sub, "--no-such-option")
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: prefixgate"), r.stderr
+    assert "error: unrecognized arguments: --no-such-option" in r.stderr, r.stderr
+
+
+def test_unknown_subcommand_is_refused():
+    r = prefixgate("simulate")
+    assert r.returncode == 2 and "invalid choice: 'simulate'" in r.stderr
+    r = prefixgate("bench", "everything")
+    assert r.returncode == 2 and "invalid choice: 'everything'" in r.stderr
