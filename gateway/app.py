@@ -18,8 +18,8 @@ from gateway.config import AppConfig
 from gateway.server import Gateway
 from replica.backends.engine_protocol import ENGINE_NAMES
 from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings, vllm_python
-from replica.core.engine_types import EngineConfig
 from replica.default_model import DEFAULT_MODEL_NAME
+from replica.engine_config import EngineConfig
 from replica.serve.deployment import PrefixCacheReplica
 from replica.serve.replica_settings import ReplicaSettings
 from router import registry
@@ -63,11 +63,7 @@ def build_app(config: AppConfig) -> serve.Application:
     """Each process resolves the model itself (the bundled default is converted on first use on
     each node), so the app builds anywhere; `prefixgate serve` converts it up front."""
     model_id = config.model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
-    engine = engine_config(config, model_id)
-    settings = ReplicaSettings(engine=engine, redis_url=config.redis_url, key_prefix=config.key_prefix,
-                               index_buckets=config.index_buckets, publish_depth=config.publish_depth,
-                               torch_threads=config.torch_threads, sim=sim_settings(config, model_id),
-                               kv_pull_timeout_s=config.kv_pull_timeout_s, vllm=vllm_settings(config))
+    settings = replica_settings(config, model_id)
     if settings.sim is not None:
         actor_options = {"num_cpus": config.sim_replica_num_cpus}
     else:
@@ -80,7 +76,9 @@ def build_app(config: AppConfig) -> serve.Application:
         name="PrefixCacheReplica",
         num_replicas=config.replicas,
         ray_actor_options=actor_options,
-        max_ongoing_requests=config.max_ongoing_requests,
+        # flow control keeps each gateway's own sends to replicas x max_ongoing_requests; the one
+        # seat more is for a tenant with nothing in flight, who never waits for a flood's seats
+        max_ongoing_requests=config.max_ongoing_requests + (1 if config.flow_control else 0),
         health_check_period_s=2,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=config.drain_timeout_s,  # then Serve kills it; the gateway moves what runs
@@ -103,6 +101,15 @@ def build_app(config: AppConfig) -> serve.Application:
     return gateway.bind(replica.bind(settings.to_dict()), app_settings)
 
 
+def replica_settings(config: AppConfig, model_id: str) -> ReplicaSettings:
+    """What every replica of the app is built from (passed to each through Serve)."""
+    return ReplicaSettings(engine=engine_config(config, model_id), redis_url=config.redis_url,
+                           key_prefix=config.key_prefix, index_buckets=config.index_buckets,
+                           publish_depth=config.publish_depth, torch_threads=config.torch_threads,
+                           sim=sim_settings(config, model_id), kv_pull_timeout_s=config.kv_pull_timeout_s,
+                           vllm=vllm_settings(config), stream_interval_s=config.stream_interval_ms / 1000)
+
+
 def sim_settings(config: AppConfig, model_id: str) -> dict | None:
     """SimEngineConfig fields for a simulated-compute replica, or None for the real engine.
     Vocabulary, context and end-of-sequence ids come from the model directory's JSON files, so
@@ -113,8 +120,8 @@ def sim_settings(config: AppConfig, model_id: str) -> dict | None:
         return None
     from dataclasses import asdict
 
-    from replica.backends.sim_engine import SimEngineConfig
     from replica.default_model import resolve_model
+    from replica.engine_config import SimEngineConfig
 
     sim = SimEngineConfig.for_model_dir(
         resolve_model(config.model), model_id=model_id, block_size=config.block_size,

@@ -31,25 +31,29 @@ class RequestRun:
         self.logprobs = LogprobsView(chat, body, len(streams))  # OpenAI's logprobs shapes
 
     async def start(self) -> dict[str, str]:
-        """Read each stream up to its first token (or end/error) so headers name the replica."""
-        for index, stream in enumerate(self.streams):
-            head = []
-            async for chunk in stream:
-                head.append(chunk)
-                if isinstance(chunk, StartChunk):
-                    if index == 0:  # the last start wins: a retry names the replica that took over
-                        self.replica = chunk.replica
-                        self.route = chunk.route.as_dict() if chunk.route is not None else None
-                    continue
-                break
+        """Read every stream up to its first token (or end/error), all n at once, so headers
+        name the replica."""
+        self.first = list(await asyncio.gather(*(self._head(i) for i in range(len(self.streams)))))
+        for head in self.first:
             error = next((c for c in head if isinstance(c, ErrorChunk)), None)
             if error is not None:
                 raise _error(error)
-            self.first.append(head)
         self._mark_first_token()
         reason = (self.route or {}).get("reason") or (self.gw.config.policy if self.route is None else "unknown")
         m.ROUTES.labels(self.replica or "unknown", reason).inc()
         return {"x-prefixgate-replica": self.replica or "unknown", "x-prefixgate-route": reason}
+
+    async def _head(self, index: int) -> list:
+        head = []
+        async for chunk in self.streams[index]:
+            head.append(chunk)
+            if isinstance(chunk, StartChunk):
+                if index == 0:  # the last start wins: a retry names the replica that took over
+                    self.replica = chunk.replica
+                    self.route = chunk.route.as_dict() if chunk.route is not None else None
+                continue
+            break
+        return head
 
     def _mark_first_token(self) -> None:
         if not self._first_token_seen:

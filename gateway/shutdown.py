@@ -105,3 +105,39 @@ def become_subreaper() -> None:
 
     pr_set_child_subreaper = 36
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+
+
+SUPERVISED_ENV = "PREFIXGATE_STACK_PROCESS"  # set in the child that runs the stack
+
+
+def supervise(argv: list[str]) -> int:
+    """Run `prefixgate` with `argv` in a child process in a process group of its own, forward
+    SIGTERM/SIGINT to it, and exit with its status.
+
+    A terminal's Ctrl-C, `kill -TERM -- -PGID` and init systems that signal a whole process group
+    reach every process in it. Ray's processes (its node, Serve's controller, proxies and
+    replicas) started by the stack inherit the stack's group: signalled directly they die at once,
+    in-flight requests get no drain, and the stop waits out Serve's 30 s controller timeout. Here
+    only this thin process is in the caller's group; the stack's process receives one signal,
+    from us, and stops in order.
+    """
+    import subprocess
+
+    env = {**os.environ, SUPERVISED_ENV: "1"}
+    child = subprocess.Popen([sys.executable, "-m", "gateway.cli", *argv], env=env, process_group=0)
+
+    def forward(signum: int, _frame) -> None:
+        try:
+            child.send_signal(signum)  # the stack's own handler ignores repeats while it stops
+        except ProcessLookupError:
+            pass
+
+    for s in SIGNALS:
+        signal.signal(s, forward)
+    code = child.wait()
+    return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+
+
+def supervised() -> bool:
+    """Whether this process is the stack's own (started by `supervise`)."""
+    return os.environ.get(SUPERVISED_ENV) == "1"

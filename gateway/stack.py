@@ -107,13 +107,14 @@ class LocalStack:
 
     def stop(self) -> None:
         """Stop whatever start() got to: Serve's apps, Ray (the local node's processes with
-        it), the local Redis. Safe at any point of start-up and more than once."""
+        it), the local Redis. Safe at any point of start-up and more than once. Serve's part is
+        bounded by the replicas' drain plus a margin, so the whole stop fits a 30 s grace period
+        (Kubernetes' default) with the default drain_timeout_s."""
         import ray
-        from ray import serve
 
         try:
             if ray.is_initialized():
-                serve.shutdown()
+                _shutdown_serve(self.config.drain_timeout_s + SERVE_STOP_MARGIN_S)
         finally:
             try:
                 own = node_processes() if not self.ray_address else []
@@ -122,6 +123,26 @@ class LocalStack:
             finally:
                 if self.redis is not None:
                     self.redis.cleanup()
+
+
+# Serve's stop beyond the replicas' drain: the controller's own teardown. Past it (a controller
+# that is gone or wedged, e.g. killed by a signal sent to every process of a cgroup) the stop
+# goes on with Ray's.
+SERVE_STOP_MARGIN_S = 4.0
+
+
+def _shutdown_serve(timeout_s: float) -> None:
+    """serve.shutdown(), waiting at most `timeout_s` for the controller (Ray's own wait is 30 s)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    try:
+        client = _get_global_client(raise_if_no_controller_running=False)
+    except Exception:  # no controller to reach: nothing of Serve's to stop in order
+        client = None
+    if client is not None:
+        client.shutdown(timeout_s=timeout_s)
+    serve.shutdown()  # forgets the client (its shutdown is done)
 
 
 def node_processes() -> list[psutil.Process]:

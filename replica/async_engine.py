@@ -210,9 +210,7 @@ class AsyncLLMEngine:
             finally:
                 self.steps_finished += 1
                 self.step_started_at = None
-            for target, out in deliveries:
-                if target is not None:
-                    _deliver(*target, out)
+            _deliver_step(deliveries)
         self._fail_all(EngineDeadError("engine is shut down"))
         self._fail_pending()
 
@@ -233,6 +231,24 @@ class AsyncLLMEngine:
                 return
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError("engine is shut down"))
+
+
+def _deliver_step(deliveries: list) -> None:
+    """A step's outputs to their callers: one wake-up per event loop, not one per output."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for target, out in deliveries:
+        if target is not None:
+            by_loop.setdefault(target[0], []).append((target[1], out))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+
+def _put_all(items: list) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:

@@ -11,7 +11,7 @@ import pytest
 from gateway.app import engine_config, router_config
 from gateway.cli import config_from_args, main
 from gateway.config import AppConfig
-from replica.core.engine_types import EngineConfig
+from replica.engine_config import EngineConfig
 from replica.serve.replica_settings import ReplicaSettings
 from router.router_options import RouterOptions
 
@@ -127,3 +127,17 @@ def _deployments(app):
         seen.append(d)
         todo += [a for a in (*d.init_args, *d.init_kwargs.values()) if hasattr(a, "_bound_deployment")]
     return seen
+
+
+def test_stream_interval_flag_reaches_the_replicas():
+    """`--stream-interval-ms` (a replica sends a stream's tokens at most once per interval) is
+    what each replica's settings carry; out of [0, two keepalives] it is refused, named."""
+    from gateway.app import replica_settings
+
+    assert replica_settings(_parse("--stream-interval-ms", "5"), "m").stream_interval_s == 0.005
+    assert replica_settings(_parse("--stream-interval-ms", "0"), "m").stream_interval_s == 0
+    assert replica_settings(AppConfig(), "m").stream_interval_s == ReplicaSettings().stream_interval_s
+    with pytest.raises(ValueError, match="stream_interval_ms"):
+        _parse("--stream-interval-ms", "5000")
+    with pytest.raises(ValueError, match="stream_interval_ms"):
+        AppConfig(stream_interval_ms=-1)

@@ -75,6 +75,10 @@ class _Row:
     def output_token_ids(self):
         return self._out
 
+    @property
+    def num_output_tokens(self):
+        return len(self._out)
+
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.zeros(3, 10)

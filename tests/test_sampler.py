@@ -20,6 +20,10 @@ class Row:
     prompt_token_ids: list[int] = field(default_factory=lambda: [0])
     output_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The per-row float64 algorithm the sampler used before it was batched."""
@@ -176,6 +180,7 @@ SCHEMA = {
 }
 
 
+@pytest.mark.slow
 def test_grammar_mask_makes_random_logits_produce_valid_json(grammars):
     import jsonschema
 

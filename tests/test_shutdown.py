@@ -10,19 +10,22 @@ times are in docs/reliability.md.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from gateway.local_redis import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serve]  # `prefixgate serve` in a subprocess
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -61,19 +64,62 @@ def _names(seen: dict[int, float]) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("signum, moment", [(signal.SIGTERM, "starting"), (signal.SIGTERM, "serving"),
-                                            (signal.SIGINT, "serving")],
-                         ids=["sigterm-during-start-up", "sigterm-while-serving", "sigint-while-serving"])
-def test_serve_stops_cleanly_on_a_signal(tmp_path, signum, moment):
+class _Streams:
+    """Streaming completions in flight while the signal arrives: each thread records its first
+    token (an event the test waits on) and how its stream ended."""
+
+    def __init__(self, port: int, n: int, max_tokens: int, headers: dict | None = None) -> None:
+        self.started = [threading.Event() for _ in range(n)]
+        self.ended: list[str | None] = [None] * n
+        self.threads = [threading.Thread(target=self._run, args=(port, i, max_tokens, headers or {}), daemon=True)
+                        for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, port: int, i: int, max_tokens: int, headers: dict) -> None:
+        body = {"model": "any", "prompt": f"in flight {i}", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers,
+                              timeout=120) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    self.started[i].set()
+                    choice = (event.get("choices") or [{}])[0]
+                    if choice.get("finish_reason"):
+                        self.ended[i] = choice["finish_reason"]
+                    elif "error" in event:
+                        self.ended[i] = "error: " + event["error"].get("message", "")
+        except httpx.HTTPError as e:
+            self.ended[i] = f"{type(e).__name__}: {e}"
+        finally:
+            self.started[i].set()
+
+
+def _model(port: int, headers: dict | None = None) -> str:
+    return httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers or {}, timeout=30).json()["data"][0]["id"]
+
+
+@pytest.mark.parametrize("signum, moment, target", [
+    (signal.SIGTERM, "starting", "main"), (signal.SIGTERM, "serving", "main"), (signal.SIGINT, "serving", "main"),
+    (signal.SIGTERM, "serving", "group"), (signal.SIGINT, "serving", "group")],
+    ids=["sigterm-during-start-up", "sigterm-while-serving", "sigint-while-serving",
+         "sigterm-to-the-group-while-serving", "sigint-to-the-group-while-serving"])
+def test_serve_stops_cleanly_on_a_signal(tmp_path, signum, moment, target):
+    """Signalled alone (as `kill PID`) or with its whole process group (a terminal's Ctrl-C,
+    `kill -TERM -- -PGID`): exit 0, nothing left, no wait for Serve's 30 s controller timeout, and
+    streams in flight when the signal comes end rather than hang."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "sim", "--replicas", "2", "--num-blocks", "128",
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "sim", "--replicas", "2", "--num-blocks", "256",
            "--port", str(port), "--metrics-port", str(free_port())]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     seen: dict[int, float] = {}
+    streams = None
     try:
         deadline = time.monotonic() + 600  # a hang guard for start-up on a loaded machine
         while True:
@@ -90,21 +136,35 @@ def test_serve_stops_cleanly_on_a_signal(tmp_path, signum, moment):
         _descendants(proc.pid, seen)
         assert any("redis-server" in n for n in _names(seen)), _names(seen)
         assert any("raylet" in n for n in _names(seen)), _names(seen)
+        if moment == "serving":  # under load: streams that have their first token when the signal comes
+            streams = _Streams(port, 4, max_tokens=200)
+            for ev in streams.started:
+                assert ev.wait(300), "a stream never started"
+            assert all(e is None for e in streams.ended), streams.ended
         signalled = time.monotonic()
-        proc.send_signal(signum)
+        if target == "group":
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
         while proc.poll() is None and time.monotonic() - signalled < 120:  # hang guard
             _descendants(proc.pid, seen)  # anything started while it stops counts too
             time.sleep(0.2)
         took = time.monotonic() - signalled
         text = log.read_text(errors="replace")
         assert proc.poll() == 0, f"exit status {proc.poll()} after {took:.1f}s:\n{text[-3000:]}"
+        if streams is not None:
+            for t in streams.threads:
+                t.join(120)
+            # the streams end (completed or cut by the stop), none left hanging on a half-stopped stack
+            assert not any(t.is_alive() for t in streams.threads), f"in-flight streams: {streams.ended}"
         # Ray's driver exits before the last of its node's processes: wait until they are gone
         gone_by = time.monotonic() + 60
         while (left := _still_running(seen)) and time.monotonic() < gone_by:
             time.sleep(0.2)
         assert not left, f"left running after exit ({took:.1f}s to exit):\n" + "\n".join(left)
         assert "Traceback" not in text and "SIGABRT" not in text and "Aborted" not in text, text[-3000:]
-        print(f"[shutdown] {signal.Signals(signum).name} {moment}: exit 0 after {took:.1f}s, "
+        assert "Controller failed to shut down" not in text, text[-3000:]
+        print(f"[shutdown] {signal.Signals(signum).name} to {target} {moment}: exit 0 after {took:.1f}s, "
               f"{len(seen)} processes, none left")
     finally:
         if proc.poll() is None:
@@ -115,3 +175,33 @@ def test_serve_stops_cleanly_on_a_signal(tmp_path, signum, moment):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_serve_with_api_keys_as_a_user_starts_it(tmp_path):
+    """`prefixgate serve --api-keys FILE`: the start-up demo uses a configured key, the stack
+    serves keyed requests, refuses others with 401, and stops on SIGTERM with exit 0."""
+    port = free_port()
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-alpha": "alpha", "sk-beta": "beta"}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "sim", "--replicas", "1", "--num-blocks", "128",
+           "--port", str(port), "--api-keys", str(keys)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while "serving until Ctrl-C" not in (text := log.read_text(errors="replace")):
+            assert proc.poll() is None, f"serve exited ({proc.returncode}):\n{text[-3000:]}"
+            assert time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.2)
+        assert "demo answer" in text
+        assert _model(port, {"authorization": "Bearer sk-beta"})
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(180) == 0, log.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -33,9 +33,10 @@ import zmq.asyncio
 from replica.async_engine import EngineDeadError
 from replica.backends.engine_protocol import Capabilities, ModelFacts
 from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings
-from replica.core.engine_types import EngineConfig, EngineStats, InvalidRequestError, RequestOutput
+from replica.core.engine_types import EngineStats, InvalidRequestError, RequestOutput
 from replica.core.request_metrics import RequestMetrics
 from replica.default_model import resolve_model
+from replica.engine_config import EngineConfig
 from replica.kvcache.block_manager import KVEventListener
 from router.protocol.events import decode_batch
 from router.protocol.hashing import block_hashes
@@ -252,7 +253,8 @@ class VllmBackend:
                 if state.handed_off is not None:
                     raise EngineDeadError(state.handed_off)
                 result = RequestOutput(
-                    request_id=request_id, new_token_ids=new_ids, new_text=new_text, token_ids=list(token_ids),
+                    request_id=request_id, new_token_ids=new_ids, new_text=new_text,
+                    token_ids=token_ids if finished else [],  # the whole output once, at the end
                     text=text_so_far, num_prompt_tokens=len(prompt),
                     num_cached_tokens=int(out.num_cached_tokens or 0), finished=finished,
                     finish_reason=_finish_reason(o.finish_reason) if finished else None,

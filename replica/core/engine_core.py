@@ -214,7 +214,7 @@ class EngineCore:
 
     def finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        n = len(seq.output_token_ids)  # min_tokens as vLLM: stop ids are masked before it, stop strings wait past it
+        n = seq.num_output_tokens  # min_tokens as vLLM: stop ids are masked before it, stop strings wait past it
         if n >= p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             self.detokenizer.update(seq)
             return "stop"

@@ -1,4 +1,5 @@
-"""The engine's torch-free vocabulary: configuration, outputs, stats and the refusal error.
+"""The engine's torch-free vocabulary: outputs, stats and the refusal error (its configuration and
+defaults: replica/engine_config.py).
 
 Kept apart from replica/engine.py (which imports torch and transformers) so that light
 processes (the gateway, the simulated-compute replica) can speak the engine's types without
@@ -19,36 +20,8 @@ if TYPE_CHECKING:
     from router.protocol.sampling import SamplingParams
 
 
-# The engine's defaults, defined here once: EngineConfig, the scheduler, the sim engine and the
-# gateway's AppConfig (the served defaults) all read these.
-BLOCK_SIZE = 16  # tokens per K/V block (vLLM replicas need a multiple of 32: replica/backends/vllm_settings.py)
-KV_CACHE_MB = 512  # K/V pool per replica when num_blocks is not given
-MAX_NUM_SEQS = 64  # sequences running at once
-MAX_NUM_BATCHED_TOKENS = 512  # tokens per step: the prefill chunk, decodes included
-
-
 class InvalidRequestError(ValueError):
     """A request the engine refuses at submission (nothing else in flight is touched)."""
-
-
-@dataclass
-class EngineConfig:
-    model: str | None = None  # local HF model directory; None: the bundled default
-    model_id: str | None = None  # identity in block hashes; defaults to the directory name
-    block_size: int = BLOCK_SIZE
-    num_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = KV_CACHE_MB * 2**20
-    device: str = "cpu"
-    dtype: str | None = None  # "float32", "bfloat16", ...; None: float32 on CPU, bf16 on GPU
-    max_num_seqs: int = MAX_NUM_SEQS
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    compile: bool = False  # torch.compile the forward at start (replica/model/compiled_step.py; cached across restarts)
-    # K/V tiers below the pool (replica/kvcache/kv_tiers.py): what the pool evicts moves to host memory,
-    # then to a bounded local file, and is moved back on a prefix hit instead of recomputed
-    kv_host_bytes: int = 0  # 0: no host tier
-    kv_disk_bytes: int = 0  # 0: no disk tier
-    kv_disk_dir: str | None = None  # where the disk tier's file lives (None: the temp directory)
 
 
 @dataclass
@@ -56,8 +29,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    token_ids: list[int]
-    text: str
+    token_ids: list[int]  # the whole output, on the finished output (empty before it)
+    text: str  # the whole text so far (on the finished output: all of it)
     num_prompt_tokens: int
     num_cached_tokens: int
     finished: bool
@@ -107,22 +80,22 @@ def request_output(seq: Sequence, text: str, scheduled_at: float | None) -> Requ
     SimEngine so both account identically (the fleet harness compares them)."""
     new_text = text[seq.emitted_text_len :]
     seq.emitted_text_len = len(text)
-    out_ids = seq.output_token_ids
-    new_ids = out_ids[seq.emitted_tokens :]
-    seq.emitted_tokens = len(out_ids)
+    # only the new tokens are copied: a copy of the whole output per step is O(n^2) per request
+    new_ids = seq.token_ids[seq.num_prompt_tokens + seq.emitted_tokens :]
+    seq.emitted_tokens = seq.num_output_tokens
     metrics = None
     if seq.is_finished:
         metrics = RequestMetrics(
             arrival_time=seq.arrival_time, first_scheduled_time=scheduled_at,
             first_token_time=seq.first_token_time, finished_time=time.monotonic(),
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
-            num_generation_tokens=len(out_ids), num_preemptions=seq.num_preemptions,
+            num_generation_tokens=seq.num_output_tokens, num_preemptions=seq.num_preemptions,
         )
     return RequestOutput(
         request_id=seq.request_id,
         new_token_ids=new_ids,
         new_text=new_text,
-        token_ids=list(out_ids),
+        token_ids=seq.output_token_ids if seq.is_finished else [],
         text=text,
         num_prompt_tokens=seq.num_prompt_tokens,
         num_cached_tokens=max(seq.num_cached_tokens, 0),

@@ -52,7 +52,12 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
     def output_token_ids(self) -> list[int]:
+        """A copy: O(output length). Per step, use num_output_tokens or index token_ids."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property

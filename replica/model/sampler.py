@@ -31,6 +31,9 @@ class Row(Protocol):
     @property
     def output_token_ids(self) -> list[int]: ...
 
+    @property
+    def num_output_tokens(self) -> int: ...
+
 
 @dataclass
 class TokenLogprob:
@@ -97,7 +100,7 @@ class Sampler:
         raw_lp = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
 
         # masks and penalties write in place: never into the runner's own output
-        early = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        early = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
         scores = logits.clone() if early or any(p.penalized or p.constrained for p in params) else logits
         self._apply_min_tokens(scores, rows, early)
         self._apply_grammar(scores, rows)

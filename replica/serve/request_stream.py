@@ -2,21 +2,23 @@
 
 The request is re-validated as it enters (a malformed one is a 400 chunk, never half-run);
 the router's decision arrives beside it (`route`) and its pull hint, if any, runs before the
-engine sees the request; while the engine works without output, keepalives go out so the
-gateway's stall guard can tell slow from frozen.
+engine sees the request; the engine's outputs go out in batches (replica/serve/stream_batcher.py),
+and while the engine works without output, keepalives go out so the gateway's stall guard can
+tell slow from frozen.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from replica.async_engine import EngineDeadError
 from replica.core.engine_types import InvalidRequestError
 from replica.serve.keepalive import with_keepalive
+from replica.serve.stream_batcher import batched_outputs
 from router.protocol.messages import (
     KEEPALIVE_S,
     AliveChunk,
@@ -30,11 +32,19 @@ from router.protocol.messages import (
     checked_request,
 )
 
-if TYPE_CHECKING:
-    from replica.serve.deployment import PrefixCacheReplica
+
+class StreamHost(Protocol):
+    """What a request's stream reads of the replica that runs it (replica/serve/deployment.py)."""
+
+    replica_id: str
+    draining: bool
+    backend: Any  # EngineBackend
+    metrics: Any  # ReplicaMetrics
+    kv_pull: Any  # the K/V-pull peer, or None
+    settings: Any  # ReplicaSettings
 
 
-async def request_chunks(replica: PrefixCacheReplica, request: Any, route: RouteDecision | None) -> AsyncIterator[Chunk]:
+async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision | None) -> AsyncIterator[Chunk]:
     yield StartChunk(replica.replica_id, route)
     if replica.draining:  # a late arrival: the gateway continues it on another replica
         yield ErrorChunk(503, "replica is shutting down", retry=True)
@@ -57,7 +67,8 @@ async def request_chunks(replica: PrefixCacheReplica, request: Any, route: Route
             request.prompt_token_ids, request.params, request_id=request.request_id,
             cache_salt=request.cache_salt, **extras,
         )
-        async with contextlib.aclosing(with_keepalive(stream, KEEPALIVE_S)) as outputs:
+        batched = batched_outputs(stream, replica.settings.stream_interval_s, KEEPALIVE_S)
+        async with contextlib.aclosing(batched) as outputs:
             async for out in outputs:
                 if out is None:  # nothing new for a while: tell the gateway's stall guard we are here
                     yield AliveChunk()
@@ -82,7 +93,7 @@ async def _once(awaitable: Awaitable[dict]) -> AsyncIterator[dict]:
     yield await awaitable
 
 
-async def _engine_extras(replica: PrefixCacheReplica, request: GenerateRequest, route: RouteDecision | None) -> dict:
+async def _engine_extras(replica: StreamHost, request: GenerateRequest, route: RouteDecision | None) -> dict:
     """Keyword arguments for the backend beyond the prompt: a migrated stream's sent tokens, and
     the K/V the router's pull hint brought (or, on a sim replica, the pull it models)."""
     extra: dict = {}

@@ -23,6 +23,11 @@ from router.protocol.sampling import SamplingParams
 # tell a request that is slow (queued, long prefill) from a replica that stopped answering
 # (frozen, wedged, dead without Ray noticing) and move the request after its stall timeout.
 KEEPALIVE_S = 2.0
+# A replica sends a stream's tokens in chunks: the first at once, then everything produced since
+# the last send, at most once per this interval (the end at once). One chunk costs the same fixed
+# work on the way to the client whatever it holds; measured with `prefixgate bench serving`
+# (docs/benchmarks.md). 0: one chunk per engine output.
+STREAM_INTERVAL_S = 0.05
 
 
 class KvSource(msgspec.Struct, frozen=True):

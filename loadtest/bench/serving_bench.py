@@ -1,0 +1,139 @@
+"""`prefixgate bench serving`: the serving path's ceiling, engine cost taken away.
+
+A local stack of `--engine sim` replicas whose modelled costs are all near zero (1 ms decode
+steps, no per-sequence or prefill cost), one gateway, and streaming clients in a process of their
+own that parse every SSE event as JSON. What is left to measure is the path from the engine's
+step to the client: per stream count, output tokens/s (counted from `usage`), SSE events per
+request, TTFT p50/p99 and the CPU seconds per 1,000 output tokens of the gateway processes
+(Serve's HTTP proxy and the Gateway replicas) and of the replica processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import psutil
+
+from gateway.config import AppConfig
+from gateway.stack import APP_NAME, LocalStack
+from loadtest.summary import percentile
+
+# every modelled cost near zero: the engine is never the bottleneck (router/costs/service.py)
+NEAR_ZERO_SERVICE = {"decode_step_s": 0.001, "decode_s_per_seq": 0.0, "prefill_overhead_s": 0.0,
+                     "prefill_s_per_token": 1e-7, "max_running": 256}
+
+
+@dataclass
+class Level:
+    streams: int
+    tokens_per_s: float
+    events_per_request: float
+    tokens_per_event: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    gateway_cpu_s_per_1k: float
+    replica_cpu_s_per_1k: float
+    failed: int
+
+
+def _processes(deployment: str | None) -> list[psutil.Process]:
+    """This machine's processes of one Serve deployment of our app (None: Serve's HTTP proxies)."""
+    title = "ray::ProxyActor" if deployment is None else f"ray::ServeReplica:{APP_NAME}:{deployment}"
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd and cmd[0].startswith(title):
+            out.append(proc)
+    return out
+
+
+def _cpu_s(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def measure(stack: LocalStack, model: str, streams: int, requests: int, max_tokens: int) -> Level:
+    gateway = _processes(None) + _processes("Gateway")
+    replicas = _processes("PrefixCacheReplica")
+    g0, r0 = _cpu_s(gateway), _cpu_s(replicas)
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench.serving_client", "--base", stack.url, "--model", model,
+         "--streams", str(streams), "--requests", str(requests), "--max-tokens", str(max_tokens)],
+        capture_output=True, text=True, check=True)
+    g1, r1 = _cpu_s(gateway), _cpu_s(replicas)
+    run = json.loads(out.stdout)
+    ok = [r for r in run["results"] if "error" not in r and r["ttft_s"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+    events = sum(r["events"] for r in ok)
+    ttfts = [r["ttft_s"] * 1000 for r in ok]
+    per_1k = 1000 / tokens if tokens else float("nan")
+    return Level(streams, tokens / run["wall_s"], events / max(len(ok), 1), tokens / max(events, 1),
+                 percentile(ttfts, 50) or 0.0, percentile(ttfts, 99) or 0.0,
+                 (g1 - g0) * per_1k, (r1 - r0) * per_1k, len(run["results"]) - len(ok))
+
+
+def format_table(levels: list[Level]) -> str:
+    head = (f"{'streams':>7} {'out tok/s':>10} {'events/req':>10} {'tok/event':>9} {'TTFT p50':>9} "
+            f"{'TTFT p99':>9} {'gw CPU s/1k':>11} {'rep CPU s/1k':>12} {'failed':>6}")
+    rows = [f"{lv.streams:>7} {lv.tokens_per_s:>10.0f} {lv.events_per_request:>10.1f} {lv.tokens_per_event:>9.1f} "
+            f"{lv.ttft_p50_ms:>7.1f}ms {lv.ttft_p99_ms:>7.1f}ms {lv.gateway_cpu_s_per_1k:>11.3f} "
+            f"{lv.replica_cpu_s_per_1k:>12.3f} {lv.failed:>6}" for lv in levels]
+    return "\n".join([head, *rows])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="prefixgate bench serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--gateways", type=int, default=1)
+    p.add_argument("--streams", type=int, nargs="+", default=[16, 64, 128], help="concurrent streams, one level each")
+    p.add_argument("--requests", type=int, default=2, help="completions per stream, one after another")
+    p.add_argument("--max-tokens", type=int, default=300, help="output tokens per completion (ignore_eos)")
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--config", action="append", default=[], metavar="KEY=JSON",
+                   help="an AppConfig field for the stack, e.g. stream_interval_ms=0 (repeatable)")
+    p.add_argument("--json", metavar="FILE", help="also write the levels as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = {}
+    for item in args.config:
+        key, _, raw = item.partition("=")
+        overrides[key] = json.loads(raw)
+    peak = max(args.streams)
+    config = AppConfig(engine="sim", replicas=args.replicas, gateways=args.gateways, sim_service=dict(NEAR_ZERO_SERVICE),
+                       max_num_seqs=peak, max_ongoing_requests=peak, max_queued_requests=peak, max_model_len=8192,
+                       **overrides)
+    stack = LocalStack(config, port=args.port)
+    try:
+        stack.start()
+        import httpx
+
+        model = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        measure(stack, model, min(args.streams), 1, 16)  # warm-up: connections, first-call paths
+        levels = []
+        for streams in args.streams:
+            levels.append(measure(stack, model, streams, args.requests, args.max_tokens))
+            print(format_table(levels[-1:]).splitlines()[-1] if levels[:-1] else format_table(levels), flush=True)
+    finally:
+        stack.stop()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([lv.__dict__ for lv in levels], fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
