@@ -79,3 +79,14 @@ def test_a_stop_string_cuts_a_batched_stream_where_it_cuts_the_answer(sim_app):
     assert finish == whole["choices"][0]["finish_reason"] == "stop"
     assert "".join(pieces) == whole["choices"][0]["text"] and stop not in "".join(pieces)
     assert usage["completion_tokens"] == whole["usage"]["completion_tokens"] < 60
+
+
+@pytest.mark.parametrize("field, extra", [("logprobs", {"logprobs": 2}),
+                                          ("response_format", {"response_format": {"type": "json_object"}})])
+def test_a_sim_replica_refuses_what_it_cannot_honour(sim_app, field, extra):
+    """The sim engine has no logprobs and no grammar: a 400 naming the field, never an answer
+    that silently ignores it."""
+    body = {"model": DEFAULT_MODEL_NAME, "prompt": "honour me", "max_tokens": 4, **extra}
+    r = httpx.post(f"{sim_app}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]

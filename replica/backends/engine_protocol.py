@@ -38,6 +38,17 @@ class Capabilities:
         """Pull hints are worth sending here (and pulling from here)."""
         return self.kv_export and self.kv_import
 
+    def refusal(self, params: SamplingParams, continuing: bool) -> str | None:
+        """Why a request cannot be honoured here (the field named), or None: a replica never
+        silently ignores what a request asks for."""
+        if params.logprobs is not None and not self.logprobs:
+            return "logprobs is not supported by this replica's engine"
+        if (params.response_format or {}).get("type", "text") != "text" and not self.grammar:
+            return "response_format is not supported by this replica's engine"
+        if continuing and not self.continuation:
+            return "prefix_output_token_ids (a migrated stream) is not supported by this replica's engine"
+        return None
+
 
 @dataclass(frozen=True)
 class ModelFacts:

@@ -55,6 +55,9 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
             request = checked_request(request)
         except (msgspec.ValidationError, TypeError) as e:
             raise InvalidRequestError(f"malformed request: {e}") from e
+        refused = replica.backend.capabilities.refusal(request.params, bool(request.prefix_output_token_ids))
+        if refused is not None:
+            raise InvalidRequestError(refused)
         extras: dict = {}
         # a pull hint can take up to kv_pull_timeout_s: keepalives go out meanwhile too
         async with contextlib.aclosing(with_keepalive(_once(_engine_extras(replica, request, route)), KEEPALIVE_S)) as prep:
