@@ -14,8 +14,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from replica.backends.engine_protocol import ENGINE_NAMES
-from replica.core.engine_types import KV_CACHE_MB, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
-from router.protocol.messages import KEEPALIVE_S
+from replica.engine_config import KV_CACHE_MB, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from router.protocol.messages import KEEPALIVE_S, STREAM_INTERVAL_S
 from router.registry import aliases as policy_aliases
 from router.registry import help_text as policy_help
 from router.registry import policy_names
@@ -97,18 +97,36 @@ class AppConfig:
     gateway_num_cpus: float = setting(0.25, help="Ray CPUs reserved per gateway")
     gateway_resources: dict[str, float] = setting(factory=dict, raw_keys=True, help='custom Ray resources per gateway, e.g. {"head_node": 0.01}')
     max_ongoing_requests: int = setting(32, help="per replica, in flight at once (Ray Serve's bound)")
-    max_queued_requests: int = setting(64, help="beyond replicas x max_ongoing_requests: 429 with Retry-After")
+    max_queued_requests: int = setting(64, help="requests each gateway holds in its queue beyond what the replicas run "
+                                               "(flow control); past it the newest of the lowest tier's most over-share "
+                                               "tenant gets a 429 with Retry-After")
     default_max_tokens: int = setting(256, help="max_tokens of a request that gives none")
     max_body_bytes: int = setting(4 * 2**20, help="largest request body accepted (413 beyond)")
-    api_keys: dict[str, str] = setting(factory=dict, cli="json-file",
-                                       help="API key -> tenant, each tenant its own cache salt; set: 401 for others (serve: a JSON file)")
+    api_keys: dict[str, str | dict] = setting(factory=dict, cli="json-file",
+                                              help="API key -> tenant, each tenant its own cache salt; set: 401 for others "
+                                                   "(serve: a JSON file). A key may instead map to {tenant, weight, "
+                                                   "service_tier, max_service_tier, rpm, tpm} (docs/flow-control.md)")
     first_token_timeout_s: float = setting(300.0, help="a request not routed and started by then gets a 504")
     retry_attempts: int = setting(6, help="replica calls per request when replicas fail (retry / stream migration)")
     retry_budget_s: float = setting(90.0, help="from a request's first replica failure: then 503 with Retry-After")
     stall_timeout_s: float = setting(30.0, help="a replica silent this long mid-request (not even a keepalive) is taken "
                                                 "for frozen and the request moves on (0: off)")
+    stream_interval_ms: float = setting(STREAM_INTERVAL_S * 1000, help="a replica sends a stream's tokens at most once per "
+                                        "interval, all produced since the last send (the first and the last at once; 0: every output)")
     drain_timeout_s: float = setting(20.0, help="a stopping replica's requests get this long to finish; the rest move on")
     kv_pull_timeout_s: float = setting(5.0, help="a replica acting on a pull hint waits this long for the holder, then computes")
+    # flow control (gateway/flow/, docs/flow-control.md)
+    flow_control: bool = setting(False, help="hold requests in the gateway while the replicas are saturated and send them "
+                                            "by service tier, then fair share of tokens between tenants (false: send "
+                                            "up to replicas x max_ongoing_requests + max_queued_requests, then 429)")
+    queue_wait_priority_s: float = setting(30.0, help="longest a service_tier=priority request waits in the gateway's queue (then 429)")
+    queue_wait_default_s: float = setting(30.0, help="longest a default (or auto) tier request waits in the gateway's queue (then 429)")
+    queue_wait_flex_s: float = setting(300.0, help="longest a service_tier=flex request waits in the gateway's queue (then 429)")
+    flow_prefill_tokens: int | None = setting(None, help="per replica: prompt tokens sent and not yet started (pending "
+                                                         "prefill) past which requests wait in the gateway; a replica "
+                                                         "whose heartbeat shows as many is full (default: 2 x max_num_batched_tokens)")
+    flow_replica_waiting: int = setting(2, help="a replica whose heartbeat shows this many requests in its own queue is full")
+    flow_kv_free_min: float = setting(0.02, help="a replica with less than this fraction of its K/V blocks free is full")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> AppConfig:
@@ -139,6 +157,9 @@ class AppConfig:
         if self.stall_timeout_s != 0 and self.stall_timeout_s <= 2 * KEEPALIVE_S:
             raise ValueError(f"stall_timeout_s must be 0 (off) or above {2 * KEEPALIVE_S:g} s (two keepalives), "
                              f"got {self.stall_timeout_s}")
+        # a send per interval bounds how long a token waits; one at most a keepalive apart keeps the guard's view
+        if not 0 <= self.stream_interval_ms <= KEEPALIVE_S * 1000:
+            raise ValueError(f"stream_interval_ms must be in [0, {KEEPALIVE_S * 1000:g}], got {self.stream_interval_ms}")
         if self.kv_host_mb < 0 or self.kv_disk_mb < 0:
             raise ValueError("kv_host_mb and kv_disk_mb must be >= 0")
         if (self.kv_host_mb or self.kv_disk_mb) and self.engine == "vllm":
@@ -152,8 +173,18 @@ class AppConfig:
         if self.compile and self.engine != "model":
             raise ValueError(f"compile is our engine's compiled forward; engine {self.engine} has none "
                              "(vLLM's own: --vllm enforce_eager=false)")
-        if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in self.api_keys.items()):
-            raise ValueError("api_keys must map non-empty API key strings to tenant name strings")
+        from gateway.flow.keys import parse_keys
+
+        parse_keys(self.api_keys)  # the key file's format and fields (ValueError naming the key and field)
+        for tier in ("priority", "default", "flex"):
+            if not getattr(self, f"queue_wait_{tier}_s") > 0:
+                raise ValueError(f"queue_wait_{tier}_s must be > 0, got {getattr(self, f'queue_wait_{tier}_s')}")
+        if self.flow_prefill_tokens is not None and self.flow_prefill_tokens < 1:
+            raise ValueError(f"flow_prefill_tokens must be >= 1, got {self.flow_prefill_tokens}")
+        if self.flow_replica_waiting < 1 or not 0 <= self.flow_kv_free_min < 1:
+            raise ValueError("flow_replica_waiting must be >= 1 and flow_kv_free_min in [0, 1)")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         for name in ("sim_service", "sim_transfer", "replica_resources", "gateway_resources"):
             bad = {k: v for k, v in getattr(self, name).items() if isinstance(v, bool) or not isinstance(v, (int, float))}
             if bad:

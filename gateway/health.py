@@ -100,4 +100,27 @@ async def readiness(gw, app_name: str | None = None) -> tuple[bool, dict]:
     ready = checks["replicas"] == "ok"  # a degraded deployment whose replica still answers serves
     status = "unavailable" if not ready else ("ok" if all(v == "ok" for v in checks.values()) else "degraded")
     routing = "index" if checks.get("redis", "ok") == "ok" else "local"
-    return ready, {"status": status, "routing": routing, "checks": checks, "causes": causes}
+    body = {"status": status, "routing": routing, "checks": checks, "causes": causes}
+    flow = getattr(gw, "flow", None)
+    if flow is not None:
+        body["queued"] = flow.depth()  # requests waiting in this gateway's queue (gateway/flow/)
+    limits = rate_limit_mode(gw, checks)
+    if limits is not None:  # tenants with rpm/tpm: "shared" (Redis) or "local" (this gateway's share)
+        body["rate_limits"] = limits
+        problem = getattr(gw.limiter, "problem", None)
+        if limits == "local" and problem and checks.get("redis") == "ok":
+            causes.append(problem)
+            body["status"] = "degraded"
+    return ready, body
+
+
+def rate_limit_mode(gw, checks: dict[str, str]) -> str | None:
+    """How the tenants' rate limits hold now: "shared" through Redis by every gateway, "local"
+    (each gateway its share: Redis away, as the index's `routing: local`); None: no limits."""
+    keys = getattr(gw, "keys", None)
+    limiter = getattr(gw, "limiter", None)
+    if keys is None or limiter is None or not any(t.limited for t in keys.tenants.values()):
+        return None
+    if checks.get("redis", "unreachable") != "ok" or limiter.mode == "local":
+        return "local"
+    return "shared"

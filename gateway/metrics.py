@@ -27,6 +27,18 @@ RETRIES = Metric("counter", "prefixgate_retries", "Requests retried on another r
 # A stream moved to another replica after tokens were sent (gateway/migration.py): outcome is
 # "resumed" when the new replica continued it, "failed" when no replica could.
 MIGRATIONS = Metric("counter", "prefixgate_migrations", "Streams moved to another replica mid-generation, by outcome", ["outcome"], local=True)
+# Flow control (gateway/flow/): the queue in front of the replicas. `tenant` is a configured
+# tenant ("anonymous" without API keys, "other" for anything else: the label set stays bounded).
+QUEUE_DEPTH = Metric("gauge", "prefixgate_queue_depth", "Requests waiting in this gateway's queue, by service tier and tenant",
+                     ["tier", "tenant"], local=True)
+QUEUE_WAIT = Metric("histogram", "prefixgate_queue_wait_seconds",
+                    "Time a request waited in the gateway's queue before it was sent (0: sent at once), or refused",
+                    ["tier", "tenant"], buckets=LATENCY_BUCKETS, local=True)
+# reason: queue_full (refused to keep the queue bounded), max_wait (its tier's maximum wait passed),
+# disconnected (its client left while it waited; never sent), shutdown, rate_limit (its tenant's rpm/tpm)
+SHED_REASONS = ("queue_full", "max_wait", "disconnected", "shutdown", "rate_limit")
+SHED = Metric("counter", "prefixgate_shed_requests", "Requests refused or dropped before reaching a replica, by reason",
+              ["reason"], local=True)
 MIGRATION_RECOMPUTED_TOKENS = Metric("counter", "prefixgate_migration_recomputed_tokens",
                                      "Prompt + already-sent tokens a replica had to take over to continue a moved stream", local=True)
 
@@ -40,6 +52,8 @@ def start(gateway=None, interval_s: float = 1.0) -> None:
         metric.zero()
     for outcome in ("resumed", "failed"):
         MIGRATIONS.zero(outcome)
+    for reason in SHED_REASONS:
+        SHED.zero(reason)
     if gateway is not None:
         ref = weakref.ref(gateway)
 

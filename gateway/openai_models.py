@@ -80,6 +80,8 @@ class _Sampling(_Strict):
     min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extension: no stop before this many tokens
     response_format: ResponseFormat | None = None
     prompt_cache_key: str | None = Field(default=None, max_length=256)  # routing session key
+    service_tier: Any = None  # OpenAI's: auto, default, flex, priority (checked in gateway/flow/tiers.py: 400 naming it)
+    priority: int | None = None  # vLLM's extension: lower is earlier, 0 the default (gateway/flow/tiers.py)
 
     @field_validator("stop")
     @classmethod

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP front, as the Ray Serve ingress deployment.
 
 It applies the chat template and tokenises once, validates everything it can before a replica
-sees the request (so bad input is a 4xx, never a 500 or a hang), admits up to a queue bound
-(beyond it: 429 with Retry-After), and streams the replica's tokens back as SSE. A request
+sees the request (so bad input is a 4xx, never a 500 or a hang), applies the tenant's rate limits,
+holds the request in its queue while the replicas are saturated (by service tier, then fair
+share between tenants: gateway/flow/; a full queue or a maximum wait is a 429 with Retry-After),
+and streams the replica's tokens back as SSE. A request
 whose replica dies or drains is rerun on another replica, or continued there from the tokens
 already sent (gateway/migration.py); only when no replica can finish it does it get a 503.
 """
@@ -11,6 +13,7 @@ already sent (gateway/migration.py); only when no replica can finish it does it 
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -27,12 +30,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway import metrics as m
 from gateway.config import AppConfig
 from gateway.errors import APIError, bad_request, http_error
+from gateway.flow.admission import FlowController, Ticket
+from gateway.flow.keys import KeySpec, TenantSpec, parse_keys
+from gateway.flow.rate_limit import RateLimiter
+from gateway.flow.saturation import Capacity, HeartbeatReader
+from gateway.flow.tiers import request_tier
 from gateway.health import readiness
 from gateway.migration import MigrationPolicy, ResilientStream
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest, routing_session
 from gateway.request_run import RequestRun
 from gateway.tokenization import PromptBuilder
 from router.protocol.messages import GenerateRequest
+from router.protocol.redis_schema import RedisKeys
 from router.protocol.sampling import InvalidParam, SamplingParams
 
 log = logging.getLogger("prefixgate.gateway")
@@ -103,6 +112,42 @@ def _app_name() -> str | None:
         return None
 
 
+# defined before the class: Serve serializes it when it is decorated, with the globals it names
+class _FlowRun(RequestRun):
+    """A RequestRun that gives its tenant's seats back to the queue when it closes."""
+
+    ticket: Ticket | None = None
+
+    def close(self) -> None:
+        if not self._closed and self.ticket is not None:
+            self.gw.flow.done(self.ticket)
+        super().close()
+
+
+_CHUNK_START = 'data: {"id": '
+
+
+async def _with_tier(sse: AsyncIterator[str], tier: str) -> AsyncIterator[str]:
+    """The stream's chunks with `service_tier` in each, as OpenAI sends it (error events and
+    [DONE] as they are)."""
+    field = f'data: {{"service_tier": "{tier}", "id": '
+    try:
+        async for event in sse:
+            yield field + event[len(_CHUNK_START):] if event.startswith(_CHUNK_START) else event
+    finally:
+        await sse.aclose()
+
+
+def _app_deleting() -> bool:
+    """Whether Serve is deleting this gateway's application (serve.delete, serve.shutdown):
+    polled by the queue while requests wait, so they get a 503 at once, not at Serve's timeout."""
+    name = _app_name()
+    if name is None:
+        return False
+    mine = serve.status().applications.get(name)
+    return mine is None or str(getattr(mine.status, "value", mine.status)).rsplit(".", 1)[-1] == "DELETING"
+
+
 @serve.deployment
 @serve.ingress(app)
 class Gateway:
@@ -111,11 +156,47 @@ class Gateway:
         self.replicas = replicas
         self.prompts = PromptBuilder(self.config)
         self.model_name = self.prompts.model_name
-        self.in_flight = 0
+        self.keys = parse_keys(self.config.api_keys)
         most = (self.config.autoscaling or {}).get("max_replicas", self.config.replicas)
         self.capacity = most * self.config.max_ongoing_requests + self.config.max_queued_requests
+        self.flow = self._flow_controller(most)  # the model's queue (one model per gateway)
+        keys = RedisKeys(self.config.key_prefix, self.config.index_buckets)
+        self.limiter = RateLimiter(self.config.redis_url, keys, share=1 / max(self.config.gateways, 1))
         m.start(self)  # Ray metrics: rare-event counters at 0, in-flight gauge kept fresh
+        self.flow.start()  # its gauges at 0 from the start, when constructed on the event loop
         self._redis = None
+
+    def _flow_controller(self, most: int) -> FlowController:
+        c = self.config
+        prefill = c.flow_prefill_tokens or 2 * c.max_num_batched_tokens
+        # flow control off: the old bound (replicas x max_ongoing_requests + max_queued_requests in flight)
+        seats = most * c.max_ongoing_requests if c.flow_control else self.capacity
+        reader = None
+        if c.flow_control and c.redis_url:
+            reader = HeartbeatReader(c.redis_url, RedisKeys(c.key_prefix, c.index_buckets), c.load_refresh_s)
+        tenants = self.keys.tenants
+        return FlowController(
+            Capacity(seats, prefill, c.flow_replica_waiting, c.flow_kv_free_min, shared=c.gateways > 1,
+                     headroom=c.replicas if c.flow_control else 0),  # one seat more per replica: gateway/app.py
+            c.max_queued_requests,
+            {"priority": c.queue_wait_priority_s, "default": c.queue_wait_default_s, "flex": c.queue_wait_flex_s},
+            c.replicas, weight=lambda flow: tenants[flow].weight if flow in tenants else 1.0, reader=reader,
+            tenants=tuple(tenants) or ("anonymous",), shutting_down=_app_deleting, enabled=c.flow_control,
+        )
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent to replicas and not finished (RequestRun.close lowers it: seats free)."""
+        return self.flow.ledger.in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        self.flow.set_in_flight(value)
+
+    async def __del__(self) -> None:
+        """Serve stops this gateway: nothing queued here waits for a replica any more (503)."""
+        await self.flow.aclose()
+        await self.limiter.close()
 
     # ---- plumbing -------------------------------------------------------------------------
     async def _parse(self, request: Request, schema):
@@ -144,21 +225,35 @@ class Gateway:
                            param="model", code="model_not_found")
         return body
 
-    def _tenant(self, request: Request) -> str | None:
-        if not self.config.api_keys:
+    def _key(self, request: Request) -> KeySpec | None:
+        """The request's API key (None when the app has none configured); 401 for a wrong one."""
+        if not self.keys.keys:
             return None
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        tenant = self.config.api_keys.get(key)
-        if tenant is None:
+        spec = self.keys.keys.get(key)
+        if spec is None:
             raise APIError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
-        return tenant
+        return spec
 
-    def _admit(self, n: int) -> None:
-        if self.in_flight + n > self.capacity:
-            m.REJECTED.inc()
-            raise APIError(429, "replicas are saturated; retry shortly", "rate_limit_error",
-                           code="server_overloaded", headers={"Retry-After": "1"})
+    async def _limit(self, tenant: TenantSpec, tokens: int) -> dict[str, str]:
+        """The tenant's rate limits for a request of `tokens`: OpenAI's x-ratelimit-* headers,
+        or a 429 `rate_limit_exceeded` carrying them (gateway/flow/rate_limit.py)."""
+        verdict = await self.limiter.admit(tenant, tokens)
+        if verdict.allowed:
+            return verdict.headers
+        m.SHED.labels("rate_limit").inc()
+        kind = verdict.refused_by
+        unit = "requests per min (RPM)" if kind == "requests" else "tokens per min (TPM)"
+        headers = dict(verdict.headers)
+        if verdict.retry_after_ms < 0:  # more tokens than the limit itself: waiting never helps
+            message = (f"Request too large for {tenant.name} on {unit}: Limit {verdict.limit}, Requested {tokens}. "
+                       "Lower max_tokens or the prompt.")
+        else:
+            wait_s = verdict.retry_after_ms / 1000
+            headers["Retry-After"] = str(max(1, math.ceil(wait_s)))
+            message = f"Rate limit reached for {tenant.name} on {unit}: Limit {verdict.limit}. Please try again in {wait_s:.3g}s."
+        raise APIError(429, message, kind, code="rate_limit_exceeded", headers=headers)
 
     def _replica_stream(self, req: GenerateRequest) -> AsyncIterator[dict]:
         """Chunks of one request; retried or continued on another replica whenever one fails
@@ -168,9 +263,9 @@ class Gateway:
                                  stall_timeout_s=self.config.stall_timeout_s)
         return ResilientStream(handle.generate.remote, req, policy, RETRYABLE).__aiter__()
 
-    async def _generate(self, body, prompt_ids: list[int], prompt_text: str, session: str | None,
-                        tenant: str | None) -> list[AsyncIterator[dict]]:
-        max_tokens = self.prompts.check_length(prompt_ids, body.requested_max_tokens())
+    def _generate(self, body, prompt_ids: list[int], prompt_text: str, session: str | None,
+                  tenant: str | None, max_tokens: int) -> list[AsyncIterator[dict]]:
+        """The request's n replica streams, not started: nothing reaches a replica before one is read."""
         streams = []
         for i in range(body.n):
             params = {"max_tokens": max_tokens, "stop": list(body.stop or [])}
@@ -206,9 +301,12 @@ class Gateway:
     async def _serve(self, request: Request, schema, chat: bool):
         endpoint = "chat" if chat else "completions"
         arrival = time.monotonic()
+        limit_headers: dict[str, str] = {}
         try:
-            tenant = self._tenant(request)
+            key = self._key(request)
+            tenant = key.tenant if key is not None else None
             body = await self._parse(request, schema)
+            tier = request_tier(body.service_tier, body.priority, *((key.service_tier, key.max_service_tier) if key else ()))
             await self.prompts.ready(self.replicas)  # model facts from a replica, once
             if chat:
                 prompt_ids, prompt_text = self.prompts.chat(body)
@@ -218,14 +316,20 @@ class Gateway:
             session = routing_session(request.headers.get("x-session-id"), body)
             if session and tenant:
                 session = f"{tenant}/{session}"  # one tenant cannot steer another's sessions
-            self._admit(body.n)
-            streams = await self._generate(body, prompt_ids, prompt_text, session, tenant)
+            max_tokens = self.prompts.check_length(prompt_ids, body.requested_max_tokens())
+            streams = self._generate(body, prompt_ids, prompt_text, session, tenant, max_tokens)
+            cost = len(prompt_ids) + body.n * max_tokens  # tokens: the prompt and the most it may produce
+            if key is not None:
+                limit_headers = await self._limit(self.keys.tenants[tenant], cost)
+            ticket = Ticket(tier, tenant, cost, body.n, len(prompt_ids), arrival)
+            await self.flow.acquire(ticket)  # waits while the replicas are saturated
         except APIError as e:
+            e.headers = {**limit_headers, **e.headers}
             m.REQUESTS.labels(endpoint, str(e.status)).inc()
             raise
-        self.in_flight += body.n
         m.IN_FLIGHT.set(self.in_flight)
-        run = RequestRun(self, body, streams, chat, arrival, len(prompt_ids))
+        run = _FlowRun(self, body, streams, chat, arrival, len(prompt_ids))
+        run.ticket = ticket
         try:
             headers = await asyncio.wait_for(run.start(), self.config.first_token_timeout_s)
         except TimeoutError:
@@ -239,17 +343,22 @@ class Gateway:
         except BaseException:
             run.close()
             raise
+        finally:
+            self.flow.started(ticket)  # its prompt is no longer pending prefill
         m.REQUESTS.labels(endpoint, "200").inc()
+        headers |= limit_headers
         if body.stream:
-            return StreamingResponse(run.sse(), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(_with_tier(run.sse(), tier), media_type="text/event-stream", headers=headers)
         try:
-            return JSONResponse(await run.collect(), headers=headers)
+            result = await run.collect()
+            result["service_tier"] = tier  # the tier that served it, as OpenAI answers
+            return JSONResponse(result, headers=headers)
         finally:
             run.close()
 
     @app.get("/v1/models")
     async def models(self, request: Request):
-        self._tenant(request)
+        self._key(request)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "prefixgate"}]}
 
     @app.get("/health")
@@ -268,3 +377,4 @@ class Gateway:
     @app.get("/metrics")
     async def metrics(self):
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+

@@ -13,6 +13,9 @@ deployment, so several deployments can share a Redis (standalone or Cluster).
   {p}:replicas          SET   replica ids that have registered (for garbage collection)
   {p}:gc-lease          STR   holder of this period's garbage collection (SET NX PX)
   {p}:session:{sid}     STR   replica that served the session's last turn; sliding TTL
+  {p:rl:T}:req          HASH  tenant T's requests-per-minute bucket: level, ts (ms); T is a digest
+  {p:rl:T}:tok          HASH  tenant T's tokens-per-minute bucket (same hash tag: one slot, one
+                              script call per admission; RATE_LIMIT_SCRIPT); expire once full
 
 Every key a script touches is passed in KEYS; the lookup script only ever receives block keys
 of one hash tag at a time on a cluster (all of them at once on a standalone Redis).
@@ -36,12 +39,12 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     free_blocks: int = 0
     cached_blocks: int = 0
     capacity_blocks: int = 0
-    # measured on the replica (0 until measured), for pricing pulls against recompute (issue 15):
+    # measured on the replica (0 until measured), for pricing pulls against recompute:
     kv_pull_bytes_per_s: int = 0  # K/V bytes per second of its recent pulls from other replicas
     prefill_tokens_per_s: int = 0  # prompt tokens computed per second of prefill, recent requests
     kv_bytes_per_token: int = 0  # K/V bytes one token occupies in its pool (what a pull moves per token)
-    kv_pull: int = 0  # 1: the replica exports and imports K/V, so pull hints may name it (issue 21)
-    # K/V tiers below the device pool (issue 25, router/protocol/media.py): occupancy in blocks,
+    kv_pull: int = 0  # 1: the replica exports and imports K/V, so pull hints may name it
+    # K/V tiers below the device pool (router/protocol/media.py): occupancy in blocks,
     # and the measured bytes/s of bringing a block back from each tier into the pool (0: none yet)
     host_blocks: int = 0
     host_capacity_blocks: int = 0
@@ -140,6 +143,14 @@ class RedisKeys:
     def session(self, session_id: str) -> str:
         return f"{self.prefix}:session:{session_id}"
 
+    def rate_limit(self, tenant: str) -> tuple[str, str]:
+        """A tenant's (requests, tokens) bucket keys: one hash tag, so one slot on a cluster.
+        The tenant's name is digested (it may hold braces, and is no business of Redis')."""
+        import hashlib
+
+        tag = f"{{{self.prefix}:rl:{hashlib.sha1(tenant.encode()).hexdigest()[:16]}}}"
+        return f"{tag}:req", f"{tag}:tok"
+
 
 # One call per hash tag (per shard group) and decision. KEYS = (block key, in-flight key) pairs
 # in chain order, ARGV[1] = how many holders to sample. Returns {cards, samples}: the number of
@@ -178,4 +189,61 @@ for i = 1, n do
   end
 end
 return {cards, samples}
+"""
+
+
+# One call per admission of a tenant with limits (gateway/flow/rate_limit.py). Two token
+# buckets, refilled continuously: the requests one holds up to ARGV[1] (requests per minute),
+# the tokens one up to ARGV[2] (tokens per minute); 0 means no such limit. A request takes
+# ARGV[3] from the first and ARGV[4] from the second, both or neither. Time is the Redis
+# server's, so every gateway's clock agrees. KEYS = RedisKeys.rate_limit(tenant). Returns
+# {allowed (1/0), requests left, tokens left, ms until the requests bucket is full, ms until
+# the tokens bucket is full, ms until this request would fit (0 when allowed; -1: never, it
+# asks for more than the limit)}. A full bucket's key expires (a full bucket is no key).
+RATE_LIMIT_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local limits = {tonumber(ARGV[1]), tonumber(ARGV[2])}
+local costs = {tonumber(ARGV[3]), tonumber(ARGV[4])}
+local levels = {}
+local allowed = 1
+local wait = 0
+for i = 1, 2 do
+  local limit = limits[i]
+  if limit > 0 then
+    local v = redis.call('HMGET', KEYS[i], 'level', 'ts')
+    local level = limit
+    if v[1] then
+      level = math.min(limit, tonumber(v[1]) + (now - tonumber(v[2])) * limit / 60000)
+    end
+    levels[i] = level
+    if costs[i] > limit then
+      allowed = 0
+      wait = -1
+    elseif level < costs[i] then
+      allowed = 0
+      if wait >= 0 then wait = math.max(wait, math.ceil((costs[i] - level) * 60000 / limit)) end
+    end
+  end
+end
+local out = {allowed, -1, -1, 0, 0, wait}
+for i = 1, 2 do
+  local limit = limits[i]
+  if limit > 0 then
+    local level = levels[i]
+    if allowed == 1 then
+      level = level - costs[i]
+      local full_ms = math.ceil((limit - level) * 60000 / limit)
+      if full_ms > 0 then
+        redis.call('HSET', KEYS[i], 'level', tostring(level), 'ts', now)
+        redis.call('PEXPIRE', KEYS[i], full_ms + 1000)
+      else
+        redis.call('DEL', KEYS[i])
+      end
+    end
+    out[1 + i] = math.floor(level)
+    out[3 + i] = math.ceil((limit - level) * 60000 / limit)
+  end
+end
+return out
 """

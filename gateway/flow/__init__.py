@@ -1,0 +1,15 @@
+"""Flow control in the gateway: who is served first when the replicas are saturated.
+
+One concern per module:
+  tiers.py       service tiers (OpenAI's `service_tier`, vLLM's integer `priority`) as ranks
+  keys.py        the API-key file: key -> tenant, with optional weight, default tier and limits
+  fair_queue.py  the queue discipline, pure logic: priority bands, weighted fair queuing on
+                 tokens between tenants, FIFO within one, bounded with shedding, maximum waits
+  saturation.py  whether a model's replicas have room: their heartbeats and this gateway's own
+                 account of what it sent and has not seen start
+  admission.py   the asyncio side: requests wait on the queue and are released as room frees
+  rate_limit.py  requests and tokens per minute per tenant, one Redis script per admission
+                 (a local share of each limit while Redis is away)
+
+docs/flow-control.md describes the whole; docs/configuration.md lists the settings.
+"""

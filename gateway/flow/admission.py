@@ -1,0 +1,249 @@
+"""The gateway's admission: requests wait here, in the fair queue, while the model's replicas are
+saturated, and leave in the queue's order as room frees (gateway/flow/saturation.py).
+
+`acquire` returns once the request may be sent (its seats are then taken in the ledger), or
+raises the APIError to answer: 429 when the queue is full and this request is the one refused,
+or when it waited its tier's maximum; 503 while the gateway shuts down. A waiter whose client
+went away is cancelled by Serve: its request leaves the queue and is never sent. Seats are
+given back through `done` + `set_in_flight` (a request ends) and `started` (first token: its
+prompt is no longer pending prefill); each of those sends whatever now fits.
+
+Only a request's first admission passes here: a stream that moves to another replica after a
+replica failure (gateway/migration.py) continues inside its ResilientStream and never queues
+again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway import metrics as m
+from gateway.errors import APIError
+from gateway.flow.fair_queue import Entry, FairQueue, Flow
+from gateway.flow.saturation import Capacity, HeartbeatReader, Ledger, has_room
+from gateway.flow.tiers import RANK, TIERS
+
+log = logging.getLogger("prefixgate.flow")
+TICK_S = 0.05  # while requests wait: expiry and heartbeat changes are looked at this often
+IDLE_S = 1.0  # otherwise: gauges re-set this often (Ray drops a gauge value not refreshed)
+
+
+@dataclass(eq=False)
+class Ticket:
+    tier: str
+    flow: Flow
+    cost: int  # WFQ cost: prompt tokens + n x max_tokens
+    n: int  # seats: streams the request runs
+    tokens: int  # prompt tokens (pending prefill until its first token)
+    arrival: float = field(default_factory=time.monotonic)
+    sent: bool = False
+    started_: bool = False
+    done_: bool = False
+
+
+class FlowController:
+    def __init__(self, capacity: Capacity, queue_size: int, max_wait_s: dict[str, float], replicas: int,
+                 weight: Callable[[Flow], float] | None = None, reader: HeartbeatReader | None = None,
+                 label: Callable[[Flow], str] | None = None, tenants: tuple[str, ...] = (),
+                 shutting_down: Callable[[], bool] | None = None, enabled: bool = True) -> None:
+        self.capacity, self.max_wait_s, self.replicas = capacity, dict(max_wait_s), replicas
+        self.queue = FairQueue(queue_size, weight)
+        self.ledger = Ledger()
+        self.reader = reader
+        self.label = label or (lambda flow: "anonymous" if flow is None else flow)
+        self.tenant_labels = tuple(dict.fromkeys(tenants or ("anonymous",)))
+        self.shutting_down = shutting_down  # polled (off the loop) while requests wait
+        self.enabled = enabled  # False: the old admission (no queue: seats up to the bound, then 429)
+        self.closed = False
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self.sent = 0
+
+    # ---- the request's side ------------------------------------------------------------------
+    async def acquire(self, ticket: Ticket) -> None:
+        if self.closed:
+            raise self._refusal("shutdown", ticket)
+        self._ensure_task()
+        if not len(self.queue) and self._room(ticket):
+            self._send(ticket)
+            return
+        if not self.enabled:
+            raise self._refusal("queue_full", ticket)
+        fut = asyncio.get_running_loop().create_future()
+        entry = Entry(RANK[ticket.tier], ticket.flow, ticket.cost, ticket.arrival + self.max_wait_s[ticket.tier],
+                      payload=(ticket, fut))
+        victim = self.queue.push(entry)
+        if victim is not None:
+            self._refuse(victim, "queue_full")
+        self._pump()
+        self._wake.set()
+        try:
+            await fut
+        except asyncio.CancelledError:  # its client went away (Serve cancels the handler)
+            self.queue.remove(entry)
+            if ticket.sent:  # sent just as its client left: give the seats back, it never starts
+                self.started(ticket)
+                self.done(ticket)
+                self.finished(ticket.n)
+            else:
+                self._count("disconnected")
+            raise
+
+    def started(self, ticket: Ticket) -> None:
+        """The request's first token came (or it failed before): its prompt is no longer pending."""
+        if ticket.sent and not ticket.started_:
+            ticket.started_ = True
+            self.ledger.unstarted_tokens -= ticket.tokens
+            self.ledger.unstarted -= 1
+            self.ledger.add(ticket.flow, 0, -1)
+            self._pump()
+
+    def done(self, ticket: Ticket) -> None:
+        """The request ended: its tenant's seats are free (the total goes down through
+        `set_in_flight`, which the request's RequestRun.close drives)."""
+        if ticket.sent and not ticket.done_:
+            ticket.done_ = True
+            self.ledger.add(ticket.flow, -ticket.n, 0)
+
+    def finished(self, n: int) -> None:
+        self.set_in_flight(self.ledger.in_flight - n)
+
+    def set_in_flight(self, value: int) -> None:
+        """The gateway's `in_flight` (a request ends: RequestRun.close lowers it)."""
+        freed = value < self.ledger.in_flight
+        self.ledger.in_flight = value
+        if freed:
+            self._pump()
+
+    # ---- the queue's side --------------------------------------------------------------------
+    def _room(self, ticket: Ticket) -> bool:
+        if not self.enabled:
+            return self.ledger.in_flight + ticket.n <= self.capacity.max_in_flight
+        loads = self.reader.loads() if self.reader is not None else None
+        return has_room(self.ledger, ticket.n, ticket.tokens, loads, self.capacity, self.replicas, ticket.flow)
+
+    def _send(self, ticket: Ticket) -> None:
+        ticket.sent = True
+        self.ledger.in_flight += ticket.n
+        self.ledger.unstarted_tokens += ticket.tokens
+        self.ledger.unstarted += 1
+        self.ledger.add(ticket.flow, ticket.n, 1)
+        self.sent += 1
+        m.QUEUE_WAIT.labels(ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
+
+    def _pump(self) -> None:
+        """Send queued requests, best first, while there is room (never past the head: a big
+        request is not overtaken for ever by smaller ones behind it)."""
+        now = time.monotonic()
+        for entry in self.queue.expired(now):
+            self._refuse(entry, "max_wait")
+        while (entry := self.queue.peek()) is not None:
+            ticket, fut = entry.payload
+            if fut.done():  # cancelled: its waiter takes it out as it wakes
+                self.queue.remove(entry)
+                continue
+            if not self._room(ticket):
+                break
+            self.queue.pop()
+            self._send(ticket)
+            fut.set_result(None)
+
+    def _refuse(self, entry: Entry, reason: str) -> None:
+        self.queue.remove(entry)
+        ticket, fut = entry.payload
+        if not fut.done():
+            fut.set_exception(self._refusal(reason, ticket))
+        if reason == "max_wait" or reason == "shutdown":
+            m.QUEUE_WAIT.labels(ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
+
+    def _refusal(self, reason: str, ticket: Ticket) -> APIError:
+        self._count(reason)
+        if reason == "shutdown":
+            return APIError(503, "this gateway is shutting down; retry", "server_error", code="server_shutting_down",
+                            headers={"Retry-After": "1"})
+        if reason == "max_wait":
+            waited = time.monotonic() - ticket.arrival
+            return APIError(429, f"the replicas stayed saturated for {waited:.1f} s, this request's maximum wait "
+                            f"in the {ticket.tier} tier; retry later", "rate_limit_error", code="server_overloaded",
+                            headers={"Retry-After": "1"})
+        return APIError(429, "replicas are saturated and the queue is full; retry shortly", "rate_limit_error",
+                        code="server_overloaded", headers={"Retry-After": "1"})
+
+    def _count(self, reason: str) -> None:
+        m.SHED.labels(reason).inc()
+        if reason in ("queue_full", "max_wait"):
+            m.REJECTED.inc()
+
+    def _label(self, flow: Flow) -> str:
+        name = self.label(flow)
+        return name if name in self.tenant_labels else "other"
+
+    # ---- background: ticks while requests wait, gauges, shutdown --------------------------
+    def start(self) -> None:
+        """Start the background loop now if there is a running event loop (else: on the first request)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._ensure_task()
+
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+            if self.reader is not None:
+                self.reader.start()
+
+    async def _run(self) -> None:
+        last_gauges = 0.0
+        last_poll = time.monotonic()
+        while not self.closed:
+            waiting = len(self.queue) > 0
+            try:  # asyncio.timeout, not wait_for: a cancel racing the timeout is never swallowed
+                async with asyncio.timeout(TICK_S if waiting else IDLE_S):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                self._pump()
+                now = time.monotonic()
+                if now - last_gauges >= IDLE_S or not len(self.queue):
+                    self._gauges()
+                    last_gauges = now
+                if len(self.queue) and self.shutting_down is not None and now - last_poll >= 1.0:
+                    last_poll = now
+                    if await asyncio.to_thread(self.shutting_down):
+                        log.info("the application is being deleted: refusing %d queued request(s)", len(self.queue))
+                        self.close()
+            except Exception:  # the loop must outlive any one failure
+                log.exception("flow control tick failed")
+
+    def _gauges(self) -> None:
+        depth = {(t, lab): 0 for t in TIERS for lab in (*self.tenant_labels, "other")}
+        for (rank, flow), n in self.queue.depths().items():
+            depth[(TIERS[rank], self._label(flow))] += n
+        for (tier, lab), n in depth.items():
+            if n or lab != "other":
+                m.QUEUE_DEPTH.labels(tier, lab).set(n)
+
+    def depth(self) -> int:
+        return len(self.queue)
+
+    def close(self) -> None:
+        """Refuse everything queued (503) and every later request that would have to queue."""
+        self.closed = True
+        for entry in list(self.queue):
+            self._refuse(entry, "shutdown")
+        self._gauges()
+        if self._wake is not None:
+            self._wake.set()
+
+    async def aclose(self) -> None:
+        self.close()
+        if self.reader is not None:
+            await self.reader.close()

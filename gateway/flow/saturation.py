@@ -1,0 +1,164 @@
+"""Whether a model's replicas have room for one more request.
+
+Two views, both needed:
+
+* This gateway's own account (`Ledger`), exact and current: requests it sent and that have
+  not finished (`in_flight`), and the prompt tokens of those that have not produced their
+  first token yet (`unstarted_tokens`: prefill work queued or running on a replica; the
+  budget is `prefill_tokens` per replica, and one unstarted request per replica always fits). It
+  changes the moment a request starts or ends, so a freed seat is refilled at once.
+* The replicas' heartbeats (the load the router's table reads: waiting requests, pending
+  prefill tokens, free K/V), which also count what other gateways sent. They are a few
+  hundred milliseconds old, so they only close the gate: when every replica is full (short
+  of K/V; with several gateways, also queued up).
+
+A gateway with nothing in flight always sends its head request (stale heartbeats or other
+gateways must never leave its queue waiting for nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from router.protocol.redis_schema import LOAD_FIELDS, RedisKeys, parse_heartbeat
+
+log = logging.getLogger("prefixgate.flow")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    max_in_flight: int  # this gateway: requests sent to replicas and not finished
+    prefill_tokens: int  # per replica: prompt tokens sent and not started (and a replica's pending prefill)
+    max_waiting: int  # per replica: requests in a replica's own queue at which it is full
+    kv_free_min: float  # per replica: below this fraction of free K/V blocks it is full
+    shared: bool = False  # other gateways send to these replicas too: their queues count
+    headroom: int = 0  # seats past max_in_flight for tenants with nothing in flight (a fair-share floor)
+
+
+@dataclass
+class Ledger:
+    in_flight: int = 0
+    unstarted_tokens: int = 0
+    unstarted: int = 0  # requests sent whose first token has not come
+    by_flow: dict = field(default_factory=dict)  # tenant -> [seats in flight, requests unstarted]
+
+    def flow(self, flow) -> tuple[int, int]:
+        """(seats in flight, requests not started) of one tenant."""
+        seats, unstarted = self.by_flow.get(flow, (0, 0))
+        return seats, unstarted
+
+    def add(self, flow, seats: int, unstarted: int) -> None:
+        mine = self.by_flow.setdefault(flow, [0, 0])
+        mine[0] += seats
+        mine[1] += unstarted
+        if mine == [0, 0]:
+            del self.by_flow[flow]
+
+
+def replica_full(load: dict[str, int], cap: Capacity) -> bool:
+    """A replica short of K/V; or, when other gateways send to it too (`shared`), one with
+    `max_waiting` requests in its own queue, or one queued behind at least a budget of pending
+    prefill (a single long prompt alone does not fill it). A lone gateway's own ledger already
+    holds what it sends to the replica's queues, exactly and without the heartbeats' lag."""
+    total = load.get("capacity_blocks", 0)
+    if total and load.get("free_blocks", 0) / total < cap.kv_free_min:
+        return True
+    if not cap.shared:
+        return False
+    waiting = load.get("waiting", 0)
+    if waiting >= cap.max_waiting:
+        return True
+    return bool(waiting) and load.get("pending_prefill_tokens", 0) >= cap.prefill_tokens
+
+
+def fleet_saturated(loads: list[dict[str, int]] | None, cap: Capacity) -> bool:
+    """Every replica with a heartbeat is full (none known: not saturated, as far as we know)."""
+    return bool(loads) and all(replica_full(load, cap) for load in loads)
+
+
+def has_room(ledger: Ledger, n: int, tokens: int, loads: list[dict[str, int]] | None, cap: Capacity,
+             replicas: int, flow=None) -> bool:
+    """Whether a request of tenant `flow`, `n` streams and `tokens` prompt tokens may be sent now."""
+    if ledger.in_flight == 0:
+        return True
+    seats, unstarted = ledger.flow(flow)
+    if ledger.in_flight + n > cap.max_in_flight + (cap.headroom if not seats else 0):
+        return False  # a tenant with nothing in flight may use the headroom: it never waits for a flood's seats
+    live = max(len(loads) if loads else replicas, 1)
+    # pending prefill: within the budget, or fewer unstarted requests than replicas (a prompt
+    # longer than a replica's budget still goes, one per replica at a time), or the tenant's
+    # first: a tenant with nothing pending never waits for another's prompts to start
+    if unstarted and ledger.unstarted >= live and ledger.unstarted_tokens + tokens > cap.prefill_tokens * live:
+        return False
+    return not fleet_saturated(loads, cap)
+
+
+class HeartbeatReader:
+    """The heartbeats of this deployment's replicas, re-read every `refresh_s` (the replica ids
+    from the registry set every `ids_every` refreshes). `loads()` is None when they are unknown:
+    Redis away, or nothing read for `max_age_s`."""
+
+    def __init__(self, redis_url: str, keys: RedisKeys, refresh_s: float = 0.1, timeout_s: float = 0.5,
+                 max_age_s: float = 3.0, ids_every: int = 10) -> None:
+        self.redis_url, self.keys = redis_url, keys
+        self.refresh_s, self.timeout_s, self.max_age_s, self.ids_every = refresh_s, timeout_s, max_age_s, ids_every
+        self._loads: list[dict[str, int]] = []
+        self._ids: list[str] = []
+        self._client = None
+        self._task: asyncio.Task | None = None
+        self.updated_at = 0.0
+        self.reads = 0
+
+    def loads(self) -> list[dict[str, int]] | None:
+        if time.monotonic() - self.updated_at > self.max_age_s:
+            return None
+        return self._loads
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def refresh(self) -> None:
+        from router.index.redis_index import open_client
+
+        if self._client is None:
+            self._client = await asyncio.wait_for(open_client(self.redis_url, self.timeout_s), self.timeout_s * 2)
+        if self.reads % self.ids_every == 0 or not self._ids:
+            self._ids = sorted(await asyncio.wait_for(self._client.smembers(self.keys.replicas), self.timeout_s))
+        pipe = self._client.pipeline(transaction=False)
+        for rid in self._ids:
+            pipe.hmget(self.keys.heartbeat(rid), *LOAD_FIELDS)
+        answers = await asyncio.wait_for(pipe.execute(), self.timeout_s) if self._ids else []
+        self._loads = [load for values in answers if (load := parse_heartbeat(values)) is not None]
+        self.reads += 1
+        self.updated_at = time.monotonic()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+                delay = self.refresh_s
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # Redis away: loads() goes None after max_age_s; try again later
+                log.debug("heartbeat read failed: %r", e)
+                await self._drop()
+                delay = 1.0
+            await asyncio.sleep(delay)
+
+    async def _drop(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.aclose(), 0.5)
+            except Exception:
+                pass
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=1.0)
+        await self._drop()
