@@ -31,13 +31,13 @@ class RequestRun:
         self.logprobs = LogprobsView(chat, body, len(streams))  # OpenAI's logprobs shapes
 
     async def start(self) -> dict[str, str]:
-        """Read every stream up to its first token (or end/error), all n at once, so headers
-        name the replica."""
-        self.first = list(await asyncio.gather(*(self._head(i) for i in range(len(self.streams)))))
-        for head in self.first:
+        """Read each stream up to its first token (or end/error) so headers name the replica."""
+        for index in range(len(self.streams)):
+            head = await self._head(index)
             error = next((c for c in head if isinstance(c, ErrorChunk)), None)
             if error is not None:
                 raise _error(error)
+            self.first.append(head)
         self._mark_first_token()
         reason = (self.route or {}).get("reason") or (self.gw.config.policy if self.route is None else "unknown")
         m.ROUTES.labels(self.replica or "unknown", reason).inc()
