@@ -15,8 +15,8 @@ import xxhash
 
 from router import policy_table
 from router.costs.transfer_model import TransferModel
-from router.protocol.media import DISK, HOST
 from router.policy_table import register_policy
+from router.protocol.media import DISK, HOST
 
 
 @dataclass
