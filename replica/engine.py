@@ -25,10 +25,12 @@ from replica.default_model import resolve_model
 from replica.engine_config import EngineConfig
 from replica.kv_io import kv_transfer
 from replica.kv_io.kv_tier_store import TierStore
+from replica.model import lora
 from replica.model.constrained import Grammars
 from replica.model.model_runner import ModelRunner, default_dtype
 from replica.model.sampler import Sampler
 from replica.model.token_text import TokenText
+from router.protocol.lora import AdapterError, AdapterRef, adapter_ref
 from router.protocol.sampling import SamplingParams
 
 log = logging.getLogger("prefixgate.replica.engine")
@@ -39,12 +41,19 @@ __all__ = ["LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "Inva
 class ModelStep:
     """The real forward pass: the runner's batched step, then the sampler (StepExecutor)."""
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, token_text: TokenText) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, token_text: TokenText,
+                 lora_store: lora.AdapterStore | None = None, adapters: dict | None = None) -> None:
         self.runner = runner
         self.sampler = sampler
         self.token_text = token_text  # logprobs: token ids to OpenAI's token/bytes
+        self.lora_store = lora_store
+        self.adapters = adapters  # the engine's served adapters by name (AdapterRef)
 
     def execute(self, chunks, admitted):
+        if self.lora_store is not None:  # each running adapter's tensors in its batch slot
+            for c in chunks:
+                if c.seq.lora_slot >= 0:
+                    self.lora_store.ensure(c.seq.lora_slot, self.adapters[c.seq.adapter])
         logits = self.runner.run(chunks)  # reorders chunks to its rows' order
         samplers = [c.seq for c in chunks if c.samples]
         sampled = self.sampler.sample(logits, samplers)
@@ -64,8 +73,13 @@ class LLMEngine(EngineCore):
         block_bytes = shape.bytes_per_block(config.block_size, dtype)
         num_blocks = config.num_blocks or max(16, config.kv_cache_bytes // block_bytes)
         host_blocks, disk_blocks = config.kv_host_bytes // block_bytes, config.kv_disk_bytes // block_bytes
+        compile_ = config.compile and not config.lora
+        if config.compile and config.lora:  # as vLLM's CPU platform: LoRA runs eager
+            log.warning("compile is off: LoRA adapters run the eager forward")
         self.runner = ModelRunner(str(path), block_size=config.block_size, num_blocks=num_blocks, device=device, dtype=dtype,
-                                  max_model_len=config.max_model_len, compile=config.compile)
+                                  max_model_len=config.max_model_len, compile=compile_,
+                                  lora_slots=config.max_loras if config.lora else 0, max_lora_rank=config.max_lora_rank)
+        self.lora_store = lora.AdapterStore(self.runner.lora, config.max_cpu_loras) if config.lora else None
         self.shape = self.runner.shape
         self.tokenizer = _load_tokenizer(path)
         eos = _eos_ids(path, self.tokenizer)
@@ -80,9 +94,13 @@ class LLMEngine(EngineCore):
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=min(config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings),
             vocab_size=vocab_size, eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer),
-            executor=ModelStep(self.runner, self.sampler, self.token_text),
+            executor=ModelStep(self.runner, self.sampler, self.token_text, self.lora_store),
             host_blocks=host_blocks, disk_blocks=disk_blocks, mover=self.tier_store,
+            max_loras=config.max_loras if config.lora else 0,
         )
+        self.executor.adapters = self.adapters
+        for name, adapter_path in config.lora_adapters.items():
+            self.add_adapter(adapter_ref(name, adapter_path))
         self.kv_imported_blocks = 0  # blocks pulled from other replicas into this cache
         self.kv_import_failures = 0  # pulled payloads refused (another shape, a bad payload): recomputed
 
@@ -108,11 +126,14 @@ class LLMEngine(EngineCore):
         prefix_output_token_ids: Seq[int] = (),
         prefix_text_len: int | None = None,
         kv_prefix: kv_transfer.KvBlocks | None = None,
+        adapter: str | None = None,
     ) -> str:
         """See EngineCore.new_sequence for a migrated stream's prefix. kv_prefix: the prompt's
         leading blocks pulled from another replica, imported into the cache before the request
-        is queued (docs/kv-pull.md); blocks that do not fit are recomputed."""
-        seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len)
+        is queued (docs/kv-pull.md); blocks that do not fit are recomputed. adapter: the name
+        of a served LoRA adapter to run the request under."""
+        seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len,
+                                adapter)
         try:
             self.sampler.add(seq)  # compiles a response_format grammar: refused here, not mid-batch
         except ValueError as e:
@@ -135,6 +156,21 @@ class LLMEngine(EngineCore):
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+
+    def add_adapter(self, ref: AdapterRef) -> None:
+        """Read and check the adapter's tensors (AdapterError names the file), then serve it."""
+        if self.lora_store is None:
+            raise InvalidRequestError("this engine was started without LoRA (enable_lora)")
+        try:
+            self.lora_store.read(ref)
+        except AdapterError as e:
+            raise InvalidRequestError(str(e)) from None
+        super().add_adapter(ref)
+
+    def remove_adapter(self, name: str) -> None:
+        ref = self.adapters.get(name)
+        super().remove_adapter(name)
+        self.lora_store.forget(ref)
 
 
 def _load_tokenizer(path: Path):

@@ -21,6 +21,11 @@ BLOCK_SIZE = 16  # tokens per K/V block (vLLM replicas need a multiple of 32: re
 KV_CACHE_MB = 512  # K/V pool per replica when num_blocks is not given
 MAX_NUM_SEQS = 64  # sequences running at once
 MAX_NUM_BATCHED_TOKENS = 512  # tokens per step: the prefill chunk, decodes included
+# LoRA limits, with vLLM's meanings: adapters in one batch, the largest rank, adapters resident in
+# host memory (the rest are read from disk when a request needs them, least recently used out)
+MAX_LORAS = 4
+MAX_LORA_RANK = 16
+MAX_CPU_LORAS = 8
 
 
 @dataclass
@@ -41,6 +46,17 @@ class EngineConfig:
     kv_host_bytes: int = 0  # 0: no host tier
     kv_disk_bytes: int = 0  # 0: no disk tier
     kv_disk_dir: str | None = None  # where the disk tier's file lives (None: the temp directory)
+    # LoRA adapters (replica/model/lora.py): name -> PEFT adapter directory, served from the start.
+    # enable_lora without adapters wraps the layers for adapters loaded at run time.
+    enable_lora: bool = False
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    max_loras: int = MAX_LORAS
+    max_lora_rank: int = MAX_LORA_RANK
+    max_cpu_loras: int = MAX_CPU_LORAS
+
+    @property
+    def lora(self) -> bool:
+        return self.enable_lora or bool(self.lora_adapters)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+from replica.core.adapter_slots import AdapterSlots
 from replica.core.detokenizer import Detokenizer
 from replica.core.engine_types import (
     EngineStats,
@@ -31,6 +32,7 @@ from replica.core.sequence import Sequence
 from replica.kvcache.block_manager import BlockManager, KVEventListener
 from replica.kvcache.kv_tiers import CopyStats, TierMover
 from router.protocol.hashing import block_hashes, chain_seed
+from router.protocol.lora import AdapterRef
 from router.protocol.sampling import SamplingParams
 
 log = logging.getLogger("prefixgate.replica.engine")
@@ -47,14 +49,18 @@ class StepExecutor(Protocol):
         ...
 
 
+class UnknownAdapterError(InvalidRequestError):
+    """A request names a LoRA adapter this engine does not serve (a 404, as vLLM answers)."""
+
+
 class EngineCore:
     def __init__(self, *, model_id: str, block_size: int, num_blocks: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, vocab_size: int, eos_token_ids: set[int],
                  detokenizer: Detokenizer, executor: StepExecutor, host_blocks: int = 0, disk_blocks: int = 0,
-                 mover: TierMover | None = None) -> None:
+                 mover: TierMover | None = None, max_loras: int = 0) -> None:
         """host_blocks / disk_blocks: the K/V tiers below the pool (replica/kvcache/kv_tiers.py); `mover`
         holds their bytes and runs the copies (None: the tiers are bookkeeping only, the
-        simulated replica's case)."""
+        simulated replica's case). max_loras: LoRA adapters in one batch (0: no adapters)."""
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -64,7 +70,9 @@ class EngineCore:
         # write-behind of the pool's cold end into the first tier, during the forward pass
         self._writeback_blocks = max(8, max_num_batched_tokens // block_size)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-writeback") if mover is not None and self.blocks.tiers else None
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks)
+        self.adapter_slots = AdapterSlots(max_loras) if max_loras else None
+        self.adapters: dict[str, AdapterRef] = {}  # served LoRA adapters by name
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks, self.adapter_slots)
         self.detokenizer = detokenizer
         self.executor = executor
         self.requests: dict[str, Sequence] = {}
@@ -78,10 +86,31 @@ class EngineCore:
     def add_listener(self, listener: KVEventListener) -> None:
         self.blocks.listeners.append(listener)
 
-    def hash_seed(self, cache_salt: str | None = None) -> int:
-        if cache_salt not in self._seeds:
-            self._seeds[cache_salt] = chain_seed(self.model_id, cache_salt)
-        return self._seeds[cache_salt]
+    def hash_seed(self, cache_salt: str | None = None, adapter: str | None = None) -> int:
+        """The chain's root for a tenant salt and an adapter identity (AdapterRef.identity)."""
+        key = (cache_salt, adapter)
+        if key not in self._seeds:
+            self._seeds[key] = chain_seed(self.model_id, cache_salt, adapter)
+        return self._seeds[key]
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+    def add_adapter(self, ref: AdapterRef) -> None:
+        """Serve `ref` under its name (replacing an idle adapter of that name)."""
+        if self.adapter_slots is None:
+            raise InvalidRequestError("this engine was started without LoRA (max_loras 0)")
+        old = self.adapters.get(ref.name)
+        if old is not None and old != ref:
+            self.remove_adapter(ref.name)
+        self.adapters[ref.name] = ref
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`; refused while requests for it are queued or running."""
+        if name not in self.adapters:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded")
+        if any(s.adapter == name for s in self.requests.values()):
+            raise InvalidRequestError(f"adapter {name!r} has requests in flight: unload it when they finish")
+        del self.adapters[name]
+        self.adapter_slots.drop(name)
 
     def tokenize(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -93,12 +122,18 @@ class EngineCore:
         validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.blocks)
 
     def new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str | None,
-                     cache_salt: str | None, prefix_output_token_ids: Seq[int], prefix_text_len: int | None) -> Sequence:
+                     cache_salt: str | None, prefix_output_token_ids: Seq[int], prefix_text_len: int | None,
+                     adapter: str | None = None) -> Sequence:
         """A validated sequence, not queued yet. prefix_output_token_ids: output another replica
         already generated and sent (a migrated stream); they count as this request's output for
         max_tokens, stop strings and text, and are recomputed (or hit in the cache) with the
         prompt; prefix_text_len is how much of their text the client has seen (default: all)."""
         params = params or SamplingParams()
+        ref = None
+        if adapter is not None:
+            ref = self.adapters.get(adapter)
+            if ref is None:
+                raise UnknownAdapterError(f"adapter {adapter!r} is not loaded on this replica")
         token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
         prefix = list(prefix_output_token_ids)
@@ -107,7 +142,9 @@ class EngineCore:
                 raise InvalidRequestError("prefix_output_token_ids must be shorter than max_tokens")
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in prefix):
                 raise InvalidRequestError(f"prefix_output_token_ids must be integers in [0, {self.vocab_size})")
-        seq = Sequence(token_ids, params, self.hash_seed(cache_salt), **({"request_id": request_id} if request_id else {}))
+        seed = self.hash_seed(cache_salt, ref.identity if ref else None)
+        seq = Sequence(token_ids, params, seed, **({"request_id": request_id} if request_id else {}))
+        seq.adapter = adapter
         if seq.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {seq.request_id}")
         if prefix:
@@ -252,8 +289,9 @@ class EngineCore:
         return [final[i] for i in ids]
 
     def add_request(self, prompt, params=None, request_id=None, cache_salt=None, prefix_output_token_ids=(),
-                    prefix_text_len=None) -> str:
-        seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len)
+                    prefix_text_len=None, adapter=None) -> str:
+        seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len,
+                                adapter)
         self.enqueue(seq)
         return seq.request_id
 

@@ -6,6 +6,8 @@ Blocks are reserved per chunk (a long prompt holds only the blocks computed so f
 pool runs dry, the most recently admitted sequence is preempted: its blocks are released
 (hashed ones stay cached) and it is recomputed later, usually from cache. A step that preempted
 admits nobody, as in vLLM, so a sequence is never preempted and re-admitted in the same step.
+A request for a LoRA adapter is admitted only when its adapter can hold one of the batch's
+`max_loras` slots; until then it waits and requests behind it go first (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from replica.core.adapter_slots import AdapterSlots
 from replica.core.sequence import Sequence, Status
 from replica.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from replica.kvcache.block_manager import BlockManager
@@ -37,9 +40,10 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterSlots | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.adapters = adapters
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -73,11 +77,17 @@ class Scheduler:
         if preempted:
             return chunks
         # 2. admit waiting sequences while the budget, the batch size and the pool allow
+        passed: list[Sequence] = []  # waiting for an adapter slot: stay at the head, in order
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.adapter is not None and not self.adapters.can_admit(seq.adapter):
+                passed.append(self.waiting.popleft())
+                continue
             if not self.blocks.can_allocate(seq.table, seq.num_tokens, budget):
                 break
             self.waiting.popleft()
+            if seq.adapter is not None:
+                seq.lora_slot = self.adapters.acquire(seq.adapter)
             cached = self.blocks.allocate(seq.table, seq.num_tokens, budget)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = cached
@@ -87,6 +97,7 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             chunks.append(ScheduledChunk(seq, cached, cached + n))
             budget -= n
+        self.waiting.extendleft(reversed(passed))
         return chunks
 
     def _ensure_room(self, seq: Sequence, num_tokens: int) -> tuple[bool, bool]:
@@ -102,8 +113,14 @@ class Scheduler:
         self.blocks.append(seq.table, num_tokens)
         return True, preempted
 
+    def _leave_slot(self, seq: Sequence) -> None:
+        if seq.adapter is not None and seq.lora_slot >= 0:
+            self.adapters.release(seq.adapter)
+            seq.lora_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._leave_slot(seq)
         self.blocks.free(seq.table)
         seq.num_computed = 0
         seq.status = Status.WAITING
@@ -122,6 +139,7 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+            self._leave_slot(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.table)

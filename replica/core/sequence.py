@@ -37,6 +37,8 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    lora_slot: int = -1  # its adapter's batch slot while running (replica/core/adapter_slots.py)
     detok_state: Any = None  # the detokenizer's incremental state (replica.core.detokenizer.DetokState)
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ from replica.kernels.attention_metadata import (
     KVPool,
     PrefillSegment,
 )
-from replica.model import fused, packed_linear
+from replica.model import fused, lora, packed_linear
 
 if TYPE_CHECKING:
     from replica.model.compiled_step import CompiledForward, CompileStats
@@ -65,12 +65,13 @@ class ModelRunner:
 
     def __init__(
         self, model_path: str, *, block_size: int, num_blocks: int, device: torch.device, dtype: torch.dtype,
-        max_model_len: int | None = None, compile: bool = False,
+        max_model_len: int | None = None, compile: bool = False, lora_slots: int = 0, max_lora_rank: int = 16,
     ) -> None:
         """Raises attention.UnsupportedModelError for a model our attention would run wrong
         (checked for contexts up to max_model_len, default the model's own limit). compile:
         run the forward through replica/model/compiled_step.py, compiled here (or loaded from its
-        cache) before the first request."""
+        cache) before the first request. lora_slots: LoRA adapters one step can run (0: none;
+        replica/model/lora.py wraps the Linear layers for them, and compile must be off)."""
         attention.register()
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -83,6 +84,9 @@ class ModelRunner:
         fused.fuse_projections(self.model)
         if packed_linear.packable(self.model):
             packed_linear.pack_linears(self.model)
+        if lora_slots and compile:
+            raise ValueError("LoRA adapters run the eager forward: compile must be off")
+        self.lora = lora.LoraModel(self.model, lora_slots, max_lora_rank) if lora_slots else None
         self.pool = KVPool.allocate(
             self.shape.num_layers, num_blocks * block_size, self.shape.num_kv_heads, self.shape.head_dim, dtype, device
         )
@@ -217,6 +221,7 @@ class ModelRunner:
         """
         input_ids, positions, meta, sample_rows = self.prepare(chunks)
         attention.set_metadata(meta)
+        lora.set_rows(self._lora_rows(chunks))
         try:
             if self.compiled is not None:
                 return self.compiled(input_ids, positions, sample_rows).float()
@@ -225,7 +230,15 @@ class ModelRunner:
             )
         finally:
             attention.set_metadata(None)
+            lora.set_rows(None)
         return out.logits[0].float()
+
+    def _lora_rows(self, chunks: list[ScheduledChunk]) -> lora.RowSlots | None:
+        """Each row's adapter slot, in the order prepare() laid the rows out (None: no adapter rows)."""
+        if self.lora is None or all(c.seq.lora_slot < 0 for c in chunks):
+            return None
+        slots = [c.seq.lora_slot for c in chunks for _ in range(c.end - c.start)]
+        return lora.RowSlots(torch.tensor(slots, device=self.device), self.lora.num_slots)
 
 
 def _is_decode(c: ScheduledChunk) -> bool:

@@ -1,7 +1,7 @@
 """Chained block hashes: the one function shared by the engine (cache keys) and the router
 (lookups in Redis). The spec and golden vectors live in docs/block-hashing.md.
 
-h_seed = xxh64(b"prefixgate/v1\\0" + model_id + b"\\0" + cache_salt)
+h_seed = xxh64(b"prefixgate/v1\\0" + model_id + b"\\0" + cache_salt [+ b"\\0lora\\0" + adapter])
 h_i    = xxh64(h_{i-1} as 8 bytes little-endian + token ids of block i as uint32 little-endian)
 
 Chaining makes a block's key stand for the whole prefix up to it, because the K/V of a
@@ -18,9 +18,15 @@ import xxhash
 HASH_DOMAIN = b"prefixgate/v1\x00"
 
 
-def chain_seed(model_id: str, cache_salt: str | None = None) -> int:
-    """Root of every chain: equal only for the same model and the same tenant salt."""
+def chain_seed(model_id: str, cache_salt: str | None = None, adapter: str | None = None) -> int:
+    """Root of every chain: equal only for the same model, tenant salt and LoRA adapter.
+
+    `adapter` is the adapter's identity (router.protocol.lora.AdapterRef.identity: its name and
+    content digest): the same tokens under two adapters are two different K/V. The base model's
+    seed (adapter None) is unchanged by the field's existence."""
     data = HASH_DOMAIN + model_id.encode() + b"\x00" + (cache_salt or "").encode()
+    if adapter:
+        data += b"\x00lora\x00" + adapter.encode()
     return xxhash.xxh64_intdigest(data)
 
 
