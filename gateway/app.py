@@ -56,6 +56,11 @@ def engine_config(config: AppConfig, model_id: str) -> EngineConfig:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
         compile=config.compile,
+        enable_lora=config.lora_enabled,
+        lora_adapters=dict(config.lora),
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
     )
 
 
@@ -127,7 +132,8 @@ def sim_settings(config: AppConfig, model_id: str) -> dict | None:
         resolve_model(config.model), model_id=model_id, block_size=config.block_size,
         num_blocks=config.num_blocks or SIM_DEFAULT_BLOCKS, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-        time_scale=config.time_scale, service=dict(config.sim_service), **dict(config.sim_transfer),
+        time_scale=config.time_scale, service=dict(config.sim_service), max_loras=config.max_loras if config.lora_enabled else 0,
+        **dict(config.sim_transfer),
     )
     sim.service_model().scaled(sim.time_scale)  # refuses unknown service fields and bad scales here
     return asdict(sim)

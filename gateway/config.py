@@ -14,7 +14,14 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from replica.backends.engine_protocol import ENGINE_NAMES
-from replica.engine_config import KV_CACHE_MB, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from replica.engine_config import (
+    KV_CACHE_MB,
+    MAX_CPU_LORAS,
+    MAX_LORA_RANK,
+    MAX_LORAS,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+)
 from router.protocol.messages import KEEPALIVE_S, STREAM_INTERVAL_S
 from router.registry import aliases as policy_aliases
 from router.registry import help_text as policy_help
@@ -70,6 +77,16 @@ class AppConfig:
     max_num_seqs: int = setting(MAX_NUM_SEQS, help="sequences running at once per replica")
     max_num_batched_tokens: int = setting(MAX_NUM_BATCHED_TOKENS, help="tokens per engine step (the prefill chunk, decodes included)")
     max_model_len: int | None = setting(4096, help="longest prompt + output, tokens (None: the model's)")
+    # LoRA adapters (docs/lora.md)
+    lora: dict[str, str] = setting(factory=dict, raw_keys=True, help="LoRA adapters served from the start, NAME=PATH (a PEFT "
+                                   "adapter directory; a request's `model` names the adapter)")
+    enable_lora: bool = setting(False, help="run requests under LoRA adapters even with none at start (adapters loaded at run time)")
+    max_loras: int = setting(MAX_LORAS, help="LoRA adapters in one batch per replica")
+    max_lora_rank: int = setting(MAX_LORA_RANK, help="largest LoRA rank served (higher: refused)")
+    max_cpu_loras: int = setting(MAX_CPU_LORAS, help="LoRA adapters resident in host memory per replica (the rest "
+                                                     "read from disk when a request needs them, least recently used out)")
+    allow_runtime_lora_updating: bool = setting(False, help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                                            "(vLLM's; with API keys, only for keys with admin: true)")
     vllm: dict = setting(factory=dict, help="engine vllm: VllmSettings overrides (replica/backends/vllm_settings.py)")
     vllm_python: str | None = setting(None, help="engine vllm: the replicas' interpreter (default: .venv-vllm beside the checkout)")
     time_scale: float = setting(1.0, help="engine sim: run the service model this many times faster in wall time")
@@ -173,6 +190,7 @@ class AppConfig:
         if self.compile and self.engine != "model":
             raise ValueError(f"compile is our engine's compiled forward; engine {self.engine} has none "
                              "(vLLM's own: --vllm enforce_eager=false)")
+        self.check_lora()
         from gateway.flow.keys import parse_keys
 
         parse_keys(self.api_keys)  # the key file's format and fields (ValueError naming the key and field)
@@ -190,6 +208,27 @@ class AppConfig:
             if bad:
                 raise ValueError(f"{name} takes numbers, got {bad}")
         self.router_options(self.model_name or "check")  # the router's own rules, checked at load
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora) or self.allow_runtime_lora_updating
+
+    def check_lora(self) -> None:
+        """Adapters are our engine's (and the sim's) for now; each directory is checked at load,
+        naming the file (its tensors are checked against the model when a replica starts)."""
+        from router.protocol.lora import adapter_ref
+
+        if self.lora_enabled and self.engine == "vllm":
+            raise ValueError("LoRA adapters are served by engine model (and sim); engine vllm does not take them yet")
+        if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"need max_loras >= 1, max_lora_rank >= 1 and max_cpu_loras >= max_loras, got "
+                             f"{self.max_loras}, {self.max_lora_rank}, {self.max_cpu_loras}")
+        for name, path in self.lora.items():
+            if not isinstance(path, str):
+                raise ValueError(f"lora {name!r}: expected a directory path, got {path!r}")
+            adapter_ref(name, path)
+            if name == self.model_name:
+                raise ValueError(f"lora {name!r}: an adapter cannot have the model's own name")
 
     def router_options(self, model_id: str) -> RouterOptions:
         """What each gateway's router is built from (every RouterOptions field has a setting here)."""

@@ -139,13 +139,13 @@ class RequestRun:
             choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": self.logprobs.whole(i)}
                        for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.gw.model_name,
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.body.model,
                 "choices": choices, "usage": self.usage(),
                 "prefixgate": {"replica": self.replica, "route": self.route, "migrations": self.migrations()}}
 
     def _sse(self, choices: list[dict], usage: dict | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        payload = {"id": self.id, "object": obj, "created": self.created, "model": self.gw.model_name, "choices": choices}
+        payload = {"id": self.id, "object": obj, "created": self.created, "model": self.body.model, "choices": choices}
         if usage is not None:
             payload["usage"] = usage
         return f"data: {json.dumps(payload)}\n\n"
@@ -196,7 +196,7 @@ def _error(chunk: ErrorChunk) -> APIError:
     """An error chunk as the HTTP error to answer: 503s (no replica could finish) say when to retry."""
     code = chunk.code
     if code < 500:
-        return APIError(code, chunk.message, "invalid_request_error")
+        return APIError(code, chunk.message, "invalid_request_error", code="model_not_found" if code == 404 else None)
     headers = {"Retry-After": "2"} if code == 503 else None
     return APIError(code, chunk.message, "server_error", code="replica_unavailable" if code == 503 else None,
                     headers=headers)

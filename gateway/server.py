@@ -28,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics as m
+from gateway.adapters import AdapterRegistry
 from gateway.config import AppConfig
 from gateway.errors import APIError, bad_request, http_error
 from gateway.flow.admission import FlowController, Ticket
@@ -40,6 +41,7 @@ from gateway.migration import MigrationPolicy, ResilientStream
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest, routing_session
 from gateway.request_run import RequestRun
 from gateway.tokenization import PromptBuilder
+from router.protocol.lora import AdapterError, AdapterRef, adapter_ref
 from router.protocol.messages import GenerateRequest
 from router.protocol.redis_schema import RedisKeys
 from router.protocol.sampling import InvalidParam, SamplingParams
@@ -161,6 +163,8 @@ class Gateway:
         self.capacity = most * self.config.max_ongoing_requests + self.config.max_queued_requests
         self.flow = self._flow_controller(most)  # the model's queue (one model per gateway)
         keys = RedisKeys(self.config.key_prefix, self.config.index_buckets)
+        static = {name: adapter_ref(name, path) for name, path in self.config.lora.items()}
+        self.adapters = AdapterRegistry(static, self.config.redis_url, keys.lora_adapters)
         self.limiter = RateLimiter(self.config.redis_url, keys, share=1 / max(self.config.gateways, 1))
         m.start(self)  # Ray metrics: rare-event counters at 0, in-flight gauge kept fresh
         self.flow.start()  # its gauges at 0 from the start, when constructed on the event loop
@@ -197,6 +201,7 @@ class Gateway:
         """Serve stops this gateway: nothing queued here waits for a replica any more (503)."""
         await self.flow.aclose()
         await self.limiter.close()
+        await self.adapters.close()
 
     # ---- plumbing -------------------------------------------------------------------------
     async def _parse(self, request: Request, schema):
@@ -220,10 +225,18 @@ class Gateway:
             raise bad_request(_describe(e.errors())) from None
         except RecursionError:
             raise bad_request("request body is nested too deeply") from None
-        if body.model != self.model_name:
-            raise APIError(404, f"model '{body.model}' does not exist; this gateway serves '{self.model_name}'",
-                           param="model", code="model_not_found")
         return body
+
+    async def _adapter(self, model: str) -> AdapterRef | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for neither."""
+        if model == self.model_name:
+            return None
+        ref = await self.adapters.resolve(model) if self.config.lora_enabled else None
+        if ref is None:
+            served = ", ".join([self.model_name, *sorted(self.adapters.known())])
+            raise APIError(404, f"The model `{model}` does not exist. Served: {served}", param="model",
+                           code="model_not_found")
+        return ref
 
     def _key(self, request: Request) -> KeySpec | None:
         """The request's API key (None when the app has none configured); 401 for a wrong one."""
@@ -264,7 +277,7 @@ class Gateway:
         return ResilientStream(handle.generate.remote, req, policy, RETRYABLE).__aiter__()
 
     def _generate(self, body, prompt_ids: list[int], prompt_text: str, session: str | None,
-                  tenant: str | None, max_tokens: int) -> list[AsyncIterator[dict]]:
+                  tenant: str | None, max_tokens: int, adapter: AdapterRef | None) -> list[AsyncIterator[dict]]:
         """The request's n replica streams, not started: nothing reaches a replica before one is read."""
         streams = []
         for i in range(body.n):
@@ -285,7 +298,7 @@ class Gateway:
             except InvalidParam as e:
                 raise bad_request(str(e), param=e.param) from None
             req = GenerateRequest(prompt_token_ids=list(prompt_ids), params=sampling, prompt=prompt_text,
-                                  session_id=session, cache_salt=tenant)
+                                  session_id=session, cache_salt=tenant, adapter=adapter)
             streams.append(self._replica_stream(req))
         return streams
 
@@ -306,6 +319,7 @@ class Gateway:
             key = self._key(request)
             tenant = key.tenant if key is not None else None
             body = await self._parse(request, schema)
+            adapter = await self._adapter(body.model)
             tier = request_tier(body.service_tier, body.priority, *((key.service_tier, key.max_service_tier) if key else ()))
             await self.prompts.ready(self.replicas)  # model facts from a replica, once
             if chat:
@@ -317,7 +331,7 @@ class Gateway:
             if session and tenant:
                 session = f"{tenant}/{session}"  # one tenant cannot steer another's sessions
             max_tokens = self.prompts.check_length(prompt_ids, body.requested_max_tokens())
-            streams = self._generate(body, prompt_ids, prompt_text, session, tenant, max_tokens)
+            streams = self._generate(body, prompt_ids, prompt_text, session, tenant, max_tokens, adapter)
             cost = len(prompt_ids) + body.n * max_tokens  # tokens: the prompt and the most it may produce
             if key is not None:
                 limit_headers = await self._limit(self.keys.tenants[tenant], cost)
@@ -358,8 +372,71 @@ class Gateway:
 
     @app.get("/v1/models")
     async def models(self, request: Request):
+        """The base model and every adapter, as vLLM lists them (an adapter's parent is the model)."""
         self._key(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "prefixgate"}]}
+        await self.adapters.refresh()
+        await self.prompts.ready(self.replicas)  # max_model_len from a replica, once
+        limit = self.prompts.max_model_len
+        base = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "prefixgate",
+                "root": self.config.model or self.model_name, "parent": None, "max_model_len": limit}
+        adapters = [{"id": ref.name, "object": "model", "created": 0, "owned_by": "prefixgate", "root": ref.path,
+                     "parent": self.model_name, "max_model_len": limit}
+                    for ref in sorted(self.adapters.known().values(), key=lambda r: r.name)]
+        return {"object": "list", "data": [base, *adapters]}
+
+    # ---- LoRA adapters at run time (vLLM's admin endpoints) -------------------------------
+    def _admin(self, request: Request) -> None:
+        if not self.config.allow_runtime_lora_updating:
+            raise APIError(404, f"Invalid URL ({request.method} {request.url.path}): run-time LoRA updating is off "
+                           "(--allow-runtime-lora-updating true)", code="not_found")
+        key = self._key(request)
+        if key is not None and not key.admin:
+            raise APIError(403, "this API key may not load or unload adapters (admin: true in the key file)",
+                           "permission_error", code="forbidden")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request):
+        """Check the adapter on a replica (its tensors against the model), then serve it from
+        every gateway; replicas read it when a request first needs it."""
+        self._admin(request)
+        data = await self._json_object(request)
+        name, path = data.get("lora_name"), data.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise bad_request("lora_name and lora_path are required strings", param="lora_name")
+        if name == self.model_name or name in self.adapters.static:
+            raise bad_request(f"{name!r} is the model or an adapter configured at start", param="lora_name")
+        try:
+            ref = adapter_ref(name, path)
+        except AdapterError as e:
+            raise bad_request(str(e), param="lora_path") from None
+        refused = await self.replicas.options(stream=False).add_adapter.remote(ref)
+        if refused is not None:
+            raise bad_request(refused, param="lora_path")
+        await self.adapters.add(ref)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request):
+        self._admin(request)
+        data = await self._json_object(request)
+        name = data.get("lora_name")
+        if not isinstance(name, str):
+            raise bad_request("lora_name is a required string", param="lora_name")
+        if name in self.adapters.static:
+            raise bad_request(f"{name!r} was configured at start and cannot be unloaded", param="lora_name")
+        if not await self.adapters.remove(name):
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="model_not_found")
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+    async def _json_object(self, request: Request) -> dict:
+        raw = await request.body()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):
+            raise bad_request("request body is not valid JSON in UTF-8") from None
+        if not isinstance(data, dict):
+            raise bad_request("request body must be a JSON object")
+        return data
 
     @app.get("/health")
     @app.get("/health/ready")

@@ -80,6 +80,8 @@ class SimEngineConfig:
     disk_blocks: int = 0
     kv_host_bytes_per_s: float = TransferModel.host_bytes_per_s
     kv_disk_bytes_per_s: float = TransferModel.disk_bytes_per_s
+    # LoRA adapters: their identity roots the block hashes; their compute is not modelled
+    max_loras: int = MAX_LORAS
 
     @classmethod
     def for_model_dir(cls, path: str | Path, **kwargs) -> SimEngineConfig:

@@ -58,7 +58,7 @@ class RouteRequest:
 @dataclass
 class Decision:
     replica_id: str
-    reason: str  # one of "session", "prefix", "load", "fallback", "pull"
+    reason: str  # one of REASONS
     matched_blocks: int = 0
     # a pull-aware policy chose to have the replica copy the prompt's leading `pull_blocks`
     # blocks from `pull_from` (a replica holding them) instead of computing them
@@ -66,7 +66,10 @@ class Decision:
     pull_blocks: int = 0
 
 
-REASONS = ("session", "prefix", "load", "fallback", "pull")
+# Every reason a decision can carry (the `x-prefixgate-route` header, the route metrics' label,
+# the simulator's reason counts and its audit): a policy's own, and `stale`, which the Decider
+# sets on a decision taken without the index (router/decider.py `degraded`).
+REASONS = ("session", "prefix", "load", "fallback", "pull", "stale")
 
 
 def _require(replicas: list[ReplicaView]) -> None:
@@ -158,11 +161,25 @@ class AffinityPolicy(Policy):
     only real overload moves it, and the request that moves is not the one in the TTFT tail.
 
     Among replicas whose cost is within `balance_tolerance` x this request's prompt tokens of the
-    lowest, the one that
-    was sent the least prefill work recently wins (a decayed tally over the last
-    ~balance_memory decisions per replica). Without it, cold requests go to whichever idle
+    lowest, the one that was sent the least prefill work recently wins (a decayed tally over the
+    last ~balance_memory decisions per replica). Without it, cold requests go to whichever idle
     replica comes first and work piles up unevenly over a minute even though every queue looks
-    short; evening out new work also evens out how fast each replica's LRU turns over.
+    short; evening out new work also evens out how fast each replica's LRU turns over. The
+    tolerance is small (0.05: a twentieth of the request's prefill, under a fiftieth of what
+    its miss costs at miss_weight 4): it ties replicas whose costs differ by load noise (a
+    heartbeat's lag, one request more in a queue at low concurrency), and never one that holds
+    a prefix worth more than that against one that does not. At 0.5 the tie-break sent
+    requests off the replica the cost model preferred, holder included, for prefixes up to an
+    eighth of the prompt: the audit's `balance` cause, a quarter to a third of the gap to the
+    pooled oracle on the Mooncake trace (docs/simulator.md, "Routing audit").
+
+    Matches past the publish depth: the router hashes and matches only a prompt's leading
+    `publish_depth` blocks (`len(request.block_hashes)` of them when the prompt is longer), so a
+    replica whose match reaches that depth may hold more of the prompt, usually all of it (the
+    previous turn of a conversation). Such a match is priced as reaching `beyond_depth` of the
+    way from the depth to the prompt's end (default 1: the whole prompt), in the tier the seen
+    match ends in; otherwise a holder of a long prompt would be priced as saving only the
+    depth, and lose to a replica that recomputes (or pulls) the rest.
 
     Sessions: the replica that served the previous turn is kept while its cost is within
     `session_slack` times the lowest cost plus `session_margin` x the prompt tokens plus one
@@ -184,8 +201,9 @@ class AffinityPolicy(Policy):
         decode_weight: float = 256.0,
         session_slack: float = 1.25,
         session_margin: float = 0.25,
-        balance_tolerance: float = 0.5,
+        balance_tolerance: float = 0.05,
         balance_memory: float = 64.0,
+        beyond_depth: float = 1.0,
         transfer: TransferModel | None = None,
     ) -> None:
         super().__init__(seed=seed)
@@ -196,6 +214,7 @@ class AffinityPolicy(Policy):
         self.session_margin = session_margin
         self.balance_tolerance = balance_tolerance
         self.balance_memory = balance_memory
+        self.beyond_depth = beyond_depth
         self._recent: dict[str, float] = {}  # decayed prefill tokens routed, scaled by _growth
         self._growth = 1.0
 
@@ -213,15 +232,34 @@ class AffinityPolicy(Policy):
         keywords, None keeping the current figure."""
         self.transfer = self.transfer.calibrated(**rates)
 
+    def beyond(self, request: RouteRequest, matched_blocks: int) -> int:
+        """Blocks a match is priced as reaching: `matched_blocks`, or where it reaches the end of
+        the hashed prefix (publish_depth) of a prompt that goes on, `beyond_depth` of the way
+        from there to the prompt's last full block."""
+        hashed = len(request.block_hashes)
+        full = request.num_prompt_tokens // request.block_size
+        if not hashed or matched_blocks < hashed or full <= hashed:
+            return matched_blocks
+        return max(matched_blocks, min(hashed + round(self.beyond_depth * (full - hashed)), full))
+
     def own_hits(self, request: RouteRequest, v: ReplicaView) -> tuple[int, float]:
         """(leading blocks `v` serves from its own cache, the copy of those in its lower tiers
         back into the pool in prefill-token equivalents; device hits are free). The match runs
         pool, then host, then disk (a replica evicts a sequence's tail first), and a replica
         reads a tier back only where that beats recomputing (`TransferModel.tier_pays`): from
-        the first tier that does not, the rest is computed."""
+        the first tier that does not, the rest is computed. A match that reaches the publish
+        depth is priced as going on (`beyond`), in the tier it ends in."""
         bs = request.block_size
-        usable, copy = v.device_blocks, 0.0
-        for medium, n in ((HOST, v.host_blocks), (DISK, v.disk_blocks)):
+        extra = self.beyond(request, v.matched_blocks) - v.matched_blocks
+        device, host, disk = v.device_blocks, v.host_blocks, v.disk_blocks
+        if disk:
+            disk += extra
+        elif host:
+            host += extra
+        else:
+            device += extra
+        usable, copy = device, 0.0
+        for medium, n in ((HOST, host), (DISK, disk)):
             if n and not self.transfer.tier_pays(medium):
                 break
             usable += n
@@ -238,7 +276,7 @@ class AffinityPolicy(Policy):
         return self.prefix_cost(request, v) + v.pending_prefill_tokens + self.decode_weight * _queued(v)
 
     def commit(self, request, replica_id, matched_blocks, fleet_size):
-        uncached = request.num_prompt_tokens - matched_blocks * request.block_size
+        uncached = request.num_prompt_tokens - self.beyond(request, matched_blocks) * request.block_size
         self._charge(replica_id, max(uncached, 0), fleet_size)
 
     def _costs(self, request: RouteRequest, replicas: list[ReplicaView]) -> dict[str, float]:
@@ -288,9 +326,18 @@ class AffinityPullPolicy(AffinityPolicy):
     evicts someone else's blocks, as a recomputed one does; miss_weight's reason, without its
     prefill time), which keeps conversations home while queues are short: without it the
     balance tie-break scatters them and the copies shrink the fleet's effective cache.
-    miss_weight defaults to 8 (affinity: 4): with pulls on offer a recompute is only chosen where
-    no replica holds the prefix, and doubling its price kept hit rate and the TTFT tail best in
-    the simulator (docs/kv-pull.md).
+
+    Weights: miss_weight 4 (affinity's) and copy_weight 3. With the same miss price as
+    affinity, every replica is priced as affinity prices it, except where a pull is cheaper
+    than recomputing: a pull replaces a recompute only where its transfer costs less than the
+    one weighted token per pulled token the two weights leave between them (transfer <
+    (miss_weight - copy_weight) x pulled), i.e. where pulling clearly beats recomputing, and
+    it moves a request off a holder only once the holder's queue outweighs copy_weight x the
+    pulled tokens plus the transfer, three quarters of what affinity waits for before it
+    recomputes elsewhere. So affinity-pull decides as affinity does wherever pulls do not pay,
+    and better where they do. (It was miss_weight 8 and copy_weight 1: a miss twice affinity's
+    price and a pull almost free moved requests to pulls that covered less than the holder
+    held, and kept recomputes away from the replicas that should have taken them.)
 
     Rates are calibrated from live measurements (`calibrate`); the defaults are GPU-like.
     """
@@ -302,8 +349,8 @@ class AffinityPullPolicy(AffinityPolicy):
         *,
         seed: int | None = None,
         transfer: TransferModel | None = None,
-        copy_weight: float = 1.0,
-        miss_weight: float = 8.0,
+        copy_weight: float = 3.0,
+        miss_weight: float = 4.0,
         **affinity_options: float,
     ) -> None:
         super().__init__(seed=seed, miss_weight=miss_weight, transfer=transfer, **affinity_options)
@@ -370,9 +417,10 @@ class AffinityPullPolicy(AffinityPolicy):
         """Charge the prefill the replica will do: what neither its cache nor a pull covers."""
         bs = request.block_size
         tokens = request.num_prompt_tokens
-        uncached = max(tokens - matched_blocks * bs, 0)
+        local = self.beyond(request, matched_blocks)
+        uncached = max(tokens - local * bs, 0)
         depth = min(request.fleet_matched, max(tokens - 1, 0) // bs)
-        if depth > matched_blocks and self.transfer.pays((depth - matched_blocks) * bs):
+        if depth > local and self.transfer.pays((depth - local) * bs):
             uncached = max(tokens - depth * bs, 0)
         self._charge(replica_id, uncached, fleet_size)
 

@@ -69,7 +69,7 @@ class PrefixGateRouter(RequestRouter):
             else None
         )
         self.loads = LoadTable(self.index, o.load_refresh_s, seed=o.seed) if self.index is not None else None
-        self._seeds: dict[str | None, int] = {}
+        self._seeds: dict[tuple[str | None, str | None], int] = {}  # (tenant salt, adapter identity)
         self._background: set[asyncio.Task] = set()
         self.inflight = InflightPrefixes(INFLIGHT_TTL_S, keep_s=STALE_MEMORY_S)
         self.decider = (
@@ -82,9 +82,10 @@ class PrefixGateRouter(RequestRouter):
         self._calibrated_at = -1  # load-table refresh the policy's copy prices were last set from
 
     def _hashes(self, req: GenerateRequest) -> list[int]:
-        seed = self._seeds.get(req.cache_salt)
+        adapter = req.adapter.identity if req.adapter is not None else None
+        seed = self._seeds.get((req.cache_salt, adapter))
         if seed is None:
-            seed = self._seeds[req.cache_salt] = chain_seed(self.model_id, req.cache_salt)
+            seed = self._seeds[(req.cache_salt, adapter)] = chain_seed(self.model_id, req.cache_salt, adapter)
         depth_tokens = self.depth * self.block_size
         return block_hashes(req.prompt_token_ids[:depth_tokens], self.block_size, seed)
 

@@ -29,6 +29,7 @@ class KeySpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=T
     max_service_tier: str = "priority"  # the highest tier this key's requests are served at
     rpm: int | None = None  # the tenant's requests per minute, all gateways together
     tpm: int | None = None  # the tenant's tokens per minute (prompt + max_tokens, at admission)
+    admin: bool = False  # may load and unload LoRA adapters at run time (gateway/adapters.py)
 
 
 class TenantSpec(msgspec.Struct, frozen=True):

@@ -32,15 +32,18 @@ class Capabilities:
     logprobs: bool = True
     grammar: bool = True  # response_format json_object / json_schema
     continuation: bool = True  # continues a migrated stream after prefix_output_token_ids
+    lora: bool = False  # runs requests under LoRA adapters (started with adapters or enable_lora)
 
     @property
     def kv_pull(self) -> bool:
         """Pull hints are worth sending here (and pulling from here)."""
         return self.kv_export and self.kv_import
 
-    def refusal(self, params: SamplingParams, continuing: bool) -> str | None:
+    def refusal(self, params: SamplingParams, continuing: bool, adapter: bool = False) -> str | None:
         """Why a request cannot be honoured here (the field named), or None: a replica never
         silently ignores what a request asks for."""
+        if adapter and not self.lora:
+            return "model names a LoRA adapter, but this replica's engine was started without LoRA"
         if params.logprobs is not None and not self.logprobs:
             return "logprobs is not supported by this replica's engine"
         if (params.response_format or {}).get("type", "text") != "text" and not self.grammar:

@@ -7,6 +7,7 @@ the simulated one models pulls (its heartbeat carries the modelled rates) and im
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from replica.backends.engine_protocol import Capabilities, ModelFacts
 from replica.core.engine_types import EngineStats, RequestOutput
 from replica.engine_config import EngineConfig
 from replica.kvcache.block_manager import KVEventListener
+from router.protocol.lora import AdapterRef
 from router.protocol.sampling import SamplingParams
 
 
@@ -39,7 +41,8 @@ class LocalBackend:
             num_blocks=engine.blocks.num_blocks, kv_bytes_per_token=kv_bytes_per_token(engine),
         )
         real = name == "model"  # the sim engine models pulls (its heartbeat carries modelled rates)
-        self.capabilities = Capabilities(kv_export=True, kv_import=True, logprobs=real, grammar=real)
+        self.capabilities = Capabilities(kv_export=True, kv_import=True, logprobs=real, grammar=real,
+                                         lora=engine.adapter_slots is not None)
 
     @classmethod
     async def create(cls, engine_config: EngineConfig, sim: dict | None, torch_threads: int) -> LocalBackend:
@@ -56,8 +59,34 @@ class LocalBackend:
         return cls(await asyncio.to_thread(LLMEngine, config=engine_config), "model")
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
-                 cache_salt: str | None = None, **extra: Any) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, **extra)
+                 cache_salt: str | None = None, adapter: AdapterRef | None = None,
+                 **extra: Any) -> AsyncIterator[RequestOutput]:
+        if adapter is None:
+            return self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, **extra)
+        return self._generate_adapter(adapter, prompt_token_ids, params, request_id, cache_salt, extra)
+
+    async def _generate_adapter(self, adapter: AdapterRef, prompt_token_ids, params, request_id, cache_salt,
+                                extra: dict) -> AsyncIterator[RequestOutput]:
+        """Under a LoRA adapter, read from its directory first if this replica lacks it (one
+        loaded at run time, or on a replica started since)."""
+        await self.engine.submit(lambda engine: serve_adapter(engine, adapter))
+        stream = self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
+                                      adapter=adapter.name, **extra)
+        async with contextlib.aclosing(stream) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def add_adapter(self, adapter: AdapterRef) -> None:
+        """Read and check `adapter` now (InvalidRequestError says why it cannot be served)."""
+        await self.engine.submit(lambda engine: serve_adapter(engine, adapter))
+
+    def adapters(self) -> dict[str, list[str]]:
+        """vLLM's lora_requests_info: adapters with running and with waiting requests."""
+        e = self.engine.engine
+        if e.adapter_slots is None:
+            return {"running": [], "waiting": []}
+        waiting = sorted({s.adapter for s in e.scheduler.waiting if s.adapter is not None})
+        return {"running": e.adapter_slots.running(), "waiting": waiting}
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -98,3 +127,9 @@ class LocalBackend:
     @property
     def alive(self) -> bool:
         return self.engine.alive
+
+
+def serve_adapter(engine, adapter: AdapterRef) -> None:
+    """`adapter` served by `engine` (on its step thread), read if it is new or changed."""
+    if engine.adapters.get(adapter.name) != adapter:
+        engine.add_adapter(adapter)

@@ -161,6 +161,7 @@ class SimEngine(EngineCore):
             max_model_len=config.max_model_len, vocab_size=config.vocab_size, eos_token_ids=set(),
             detokenizer=_WordDetokenizer(), executor=self.sleep,
             host_blocks=int(config.host_blocks), disk_blocks=int(config.disk_blocks), mover=None,
+            max_loras=config.max_loras,
         )
 
         self.lag = StepLag()

@@ -24,6 +24,7 @@ from replica.core.engine_types import (
     InvalidRequestError,
     RequestOutput,
     TierUsage,
+    UnknownAdapterError,
     request_output,
     validate_request,
 )
@@ -47,10 +48,6 @@ class StepExecutor(Protocol):
         (replica/model/token_text.py's wire form). `admitted`: ids of the sequences this step
         admitted (a prefill's start)."""
         ...
-
-
-class UnknownAdapterError(InvalidRequestError):
-    """A request names a LoRA adapter this engine does not serve (a 404, as vLLM answers)."""
 
 
 class EngineCore:

@@ -24,6 +24,10 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses at submission (nothing else in flight is touched)."""
 
 
+class UnknownAdapterError(InvalidRequestError):
+    """A request names a LoRA adapter this engine does not serve (a 404, as vLLM answers)."""
+
+
 @dataclass
 class RequestOutput:
     request_id: str

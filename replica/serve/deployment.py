@@ -15,13 +15,17 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
+import msgspec
+
 from replica.backends.engine_protocol import EngineBackend
+from replica.core.engine_types import InvalidRequestError
 from replica.serve.drain import drain_replica
 from replica.serve.heartbeat import build_heartbeat
 from replica.serve.metrics import ReplicaMetrics
 from replica.serve.publisher import BlockPublisher, PublisherConfig
 from replica.serve.replica_settings import ReplicaSettings, create_backend
 from replica.serve.request_stream import request_chunks
+from router.protocol.lora import AdapterRef
 from router.protocol.messages import RouteDecision, encode_chunk
 from router.protocol.redis_schema import Heartbeat
 
@@ -120,6 +124,17 @@ class PrefixCacheReplica:
         if self.kv_pull is None:
             return None
         return await self.kv_pull.export(hashes, token_ids, first)
+
+    async def add_adapter(self, adapter: object) -> str | None:
+        """Read and check a LoRA adapter here (the gateway's run-time load): None when it is
+        served, else why not (its tensors against the model, its rank, its files)."""
+        if not self.backend.capabilities.lora:
+            return "this replica's engine was started without LoRA (--enable-lora true)"
+        try:
+            await self.backend.add_adapter(msgspec.convert(msgspec.to_builtins(adapter), AdapterRef))
+        except (InvalidRequestError, msgspec.ValidationError) as e:
+            return str(e)
+        return None
 
     async def check_health(self) -> None:
         if not self.backend.alive:

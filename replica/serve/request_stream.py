@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import msgspec
 
 from replica.async_engine import EngineDeadError
-from replica.core.engine_types import InvalidRequestError
+from replica.core.engine_types import InvalidRequestError, UnknownAdapterError
 from replica.serve.keepalive import with_keepalive
 from replica.serve.stream_batcher import batched_outputs
 from router.protocol.messages import (
@@ -55,7 +55,8 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
             request = checked_request(request)
         except (msgspec.ValidationError, TypeError) as e:
             raise InvalidRequestError(f"malformed request: {e}") from e
-        refused = replica.backend.capabilities.refusal(request.params, bool(request.prefix_output_token_ids))
+        refused = replica.backend.capabilities.refusal(request.params, bool(request.prefix_output_token_ids),
+                                                       request.adapter is not None)
         if refused is not None:
             raise InvalidRequestError(refused)
         extras: dict = {}
@@ -68,7 +69,7 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
                     extras = got
         stream = replica.backend.generate(
             request.prompt_token_ids, request.params, request_id=request.request_id,
-            cache_salt=request.cache_salt, **extras,
+            cache_salt=request.cache_salt, adapter=request.adapter, **extras,
         )
         batched = batched_outputs(stream, replica.settings.stream_interval_s, KEEPALIVE_S)
         async with contextlib.aclosing(batched) as outputs:
@@ -85,7 +86,7 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
                     yield EndChunk(out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids))
     except (InvalidRequestError, TypeError, ValueError) as e:
         rec.done = True  # refused, never ran: not a finished request
-        yield ErrorChunk(400, str(e))
+        yield ErrorChunk(404 if isinstance(e, UnknownAdapterError) else 400, str(e))
     except EngineDeadError as e:  # failed or shutting down: another replica can continue it
         yield ErrorChunk(503, str(e), retry=True)
     finally:

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from router.protocol.lora import AdapterRef
 from router.protocol.sampling import SamplingParams
 
 # A replica with nothing else to send for this long sends an AliveChunk, so the gateway can
@@ -68,6 +69,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # ids, and how many characters of their text were sent); the replica continues after them
     prefix_output_token_ids: list[int] = msgspec.field(default_factory=list)
     prefix_text_len: int = 0
+    # the LoRA adapter the request's `model` names (None: the base model); a replica without it
+    # reads it from its path first (adapters loaded at run time reach replicas this way)
+    adapter: AdapterRef | None = None
 
 
 def checked_request(request: Any) -> GenerateRequest:

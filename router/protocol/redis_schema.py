@@ -133,6 +133,11 @@ class RedisKeys:
     def gc_lease(self) -> str:
         return f"{self.prefix}:gc-lease"
 
+    @property
+    def lora_adapters(self) -> str:
+        """Hash: LoRA adapter name -> its AdapterRef as JSON (those loaded at run time)."""
+        return f"{self.prefix}:lora"
+
     def heartbeat(self, replica_id: str) -> str:
         return f"{self.prefix}:hb:{replica_id}"
 

@@ -26,6 +26,9 @@ classified by the first rule that applies (CAUSES, in order). Requests the fleet
 their oracle hits to `rejected`. `unexplained` is what no rule claims plus the difference
 between these sums and the simulator's own totals, so it checks the bookkeeping too.
 
+The summary also splits the decision term by the decision's route reason (`REASONS`, the one
+list of them, `stale` included), so a loss can be read against what the router said it did.
+
 Enabled per run (`run_policy(..., audit=RoutingAudit(...))`, CLI `--audit`); without it the
 engine does no audit work at all.
 """
@@ -39,7 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
-from router.policy import AffinityPolicy, Decision, Policy, ReplicaView, RouteRequest
+from router.policy import REASONS, AffinityPolicy, Decision, Policy, ReplicaView, RouteRequest
 from router.sim.workload import SimRequest
 
 # cause -> meaning; the order is the classification's precedence within each term
@@ -63,8 +66,8 @@ CAUSES: dict[str, str] = {
     "in_flight": "the longer prefix was still being prefilled (or queued) on the holder, not cached, "
                  "and no in-flight mark showed it",
     # after the decision: effective - realized
-    "evicted_queued": "blocks held at decision time were evicted before the request was admitted "
-                      "(chosen replica or pull source)",
+    "evicted_queued": "blocks held at decision time were evicted from the chosen replica before the "
+                      "request was admitted (a pull reads its source at arrival, the decision's instant)",
     "late_gain": "(negative) the request hit more at admission than any replica held at decision time",
 }
 FLEET_CAUSES = ("capacity", "beats_pooled", "rejected")
@@ -229,13 +232,13 @@ class RoutingAudit:
         chosen = decision.replica_id
         rec = AuditRecord(index, now, len(req.hashes), chosen, decision.reason, decision.pull_from,
                           decision.pull_blocks, session_replica)
-        device: dict[str, int] = {}
+        device: dict[str, int] = {}  # what a pull would read now: the pool's leading run
         for rep in reps:
             dev, use = held_run(rep.bm, req.hashes)
             q = queued_run(rep, req.hashes)
             rid = rep.replica_id
             rec.cached[rid] = use
-            device[rid] = max(dev, q)
+            device[rid] = dev
             if q > use:
                 rec.prospective[rid] = q
         pros = {rid: max(n, rec.prospective.get(rid, 0)) for rid, n in rec.cached.items()}
@@ -316,6 +319,8 @@ class RoutingAudit:
         assert not self._queued, "requests still queued: summarize after the run"
         causes: Counter[str] = Counter()
         requests: Counter[str] = Counter()
+        reasons: Counter[str] = Counter()
+        reason_blocks: Counter[str] = Counter()
         realized = best = best_cached = lost = lost_requests = 0
         for rec in self.records:
             rec.pooled = pooled[rec.index]
@@ -323,6 +328,10 @@ class RoutingAudit:
                 causes[cause] += n
                 requests[cause] += 1
             if rec.chosen is not None:
+                if rec.reason not in REASONS:
+                    raise ValueError(f"route reason {rec.reason!r} is not in router.policy.REASONS {REASONS}")
+                reasons[rec.reason] += 1
+                reason_blocks[rec.reason] += rec.best - rec.effective
                 realized += rec.realized
                 best += rec.best
                 best_cached += rec.best_cached
@@ -340,6 +349,8 @@ class RoutingAudit:
             decision_ceiling=best, cached_ceiling=best_cached, gap=gap, causes=named,
             cause_requests={c: requests[c] for c in named if requests[c]},
             lost_requests=lost_requests, lost_blocks=lost,
+            reasons={r: reasons[r] for r in REASONS if reasons[r]},
+            reason_blocks={r: reason_blocks[r] for r in REASONS if reasons[r]},
         )
 
     def write_jsonl(self, out: IO[str], **context: Any) -> None:
@@ -363,6 +374,9 @@ class AuditSummary:
     cause_requests: dict[str, int]  # requests contributing to each cause
     lost_requests: int  # requests where another replica held a longer cached prefix than the chosen one
     lost_blocks: int  # ... and by how many blocks in all
+    # routed requests per route reason (REASONS order), and their decision term (best - effective)
+    reasons: dict[str, int] = field(default_factory=dict)
+    reason_blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def decision_gap(self) -> int:
@@ -382,6 +396,7 @@ class AuditSummary:
             "causes_blocks": self.causes, "causes_tokens": {c: self.tokens(n) for c, n in self.causes.items()},
             "cause_requests": self.cause_requests,
             "lost_requests": self.lost_requests, "lost_blocks": self.lost_blocks,
+            "reasons": self.reasons, "reason_decision_tokens": {r: self.tokens(n) for r, n in self.reason_blocks.items()},
         }
 
     def format(self, prompt_blocks: int) -> str:
@@ -406,4 +421,8 @@ class AuditSummary:
                          f"{self.cause_requests.get(cause, 0):>10}")
         lines.append(f"  lost hits (another replica held a longer cached prefix than the chosen): "
                      f"{self.lost_requests} requests, {self.tokens(self.lost_blocks):,} tokens")
+        if self.reasons:
+            by_reason = ", ".join(f"{r} {n} ({self.tokens(self.reason_blocks.get(r, 0)):,})"
+                                  for r, n in self.reasons.items())
+            lines.append(f"  by route reason, requests (decision-term tokens): {by_reason}")
         return "\n".join(lines)

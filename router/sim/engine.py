@@ -121,11 +121,17 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
         local = held.matched_blocks
         copy = round(rep.copy_tokens(held.tier_blocks))  # bringing its lower-tier part back
         job = Job(req, now, 0, int(now // config.window_s))
+        source, depth = None, 0
         if decision.pull_from is not None and decision.pull_blocks > local:
-            job.pull_from, job.pull_depth = by_id[decision.pull_from], decision.pull_blocks
-            pull_tokens = (decision.pull_blocks - local) * bs
+            # the pull reads the source at the request's arrival, as a live replica pulls before
+            # the request queues for its engine
+            source = by_id[decision.pull_from]
+            depth = source.export_run(req.hashes, decision.pull_blocks, local, rep.pull_holder)
+        if source is not None and depth > local:
+            job.pull_from, job.pull_depth = source, depth
+            pull_tokens = (depth - local) * bs
             # queued work as the policy sees it: the prefill left plus the pull's time
-            job.est_uncached = max(req.input_tokens - decision.pull_blocks * bs, 1) + copy + round(
+            job.est_uncached = max(req.input_tokens - depth * bs, 1) + copy + round(
                 config.transfer.pull_tokens_equiv(pull_tokens))
         else:
             job.est_uncached = max(req.input_tokens - local * bs, 1) + copy

@@ -58,8 +58,8 @@ class Job:
     uncached: int = 0
     ttft: float = 0.0
     pull_from: SimReplica | None = None  # the router's pull hint: the holder ...
-    pull_depth: int = 0  # ... and how many leading blocks it held at decision time
-    pulled_blocks: int = 0  # blocks really copied (the holder may have evicted some meanwhile)
+    pull_depth: int = 0  # ... and the leading blocks read from it at arrival (`export_run`)
+    pulled_blocks: int = 0  # blocks copied: those of pull_depth this replica did not hit itself
     pull_s: float = 0.0
 
 
@@ -162,28 +162,40 @@ class SimReplica:
         pulled_tokens = self._pull(job)
         job.uncached = max(req.input_tokens - cached - pulled_tokens, 1)
         job.pull_s = self.transfer.pull_s(pulled_tokens)
-        dur = job.tier_s + job.pull_s + self.service.prefill_s(job.uncached, self.decoding)
+        # the transfer started when the request arrived (a replica pulls before it queues the
+        # request for its engine): only what is left of it when the request is admitted
+        # delays the prefill
+        pull_left = max(job.arrival + job.pull_s - now, 0.0)
+        dur = job.tier_s + pull_left + self.service.prefill_s(job.uncached, self.decoding)
         self.current, self.cur_start, self.cur_end = job, now, now + dur
         self.busy_s += dur
         return self.cur_end
 
-    def _pull(self, job: Job) -> int:
-        """Copy the hinted holder's blocks past this replica's own hits; returns prompt tokens
-        covered. Only the leading run the holder still has counts (it may have evicted some
-        since the decision); the copies occupy blocks allocated here and are registered with
-        the rest of the prompt when prefill completes, exactly as computed ones."""
-        src = job.pull_from
-        if src is None or src is self or job.pull_depth <= job.hit_blocks:
-            return 0
-        held = src.bm.hash_to_block
+    def export_run(self, hashes: list[int], limit: int, local: int = 0, mode: str = "keep") -> int:
+        """A pull from this replica, as the request reaches the puller: the leading run of
+        `hashes` (at most `limit` blocks) in this replica's pool, read now. A live replica pulls
+        when the request arrives, before it queues for the engine (replica/kv_io/kv_pull.py), so
+        what the holder evicts later does not shorten the pull. `mode`: what the read does to
+        the exported blocks past the puller's own `local` ones in this LRU (`after_export`)."""
+        held = self.bm.hash_to_block
         n = 0
-        for h in job.req.hashes[job.hit_blocks : job.pull_depth]:
+        for h in hashes[:limit]:
             if h not in held:
                 break
             n += 1
+        if n > local and mode != "keep":
+            self.after_export(hashes[local:n], mode)
+        return n
+
+    def _pull(self, job: Job) -> int:
+        """The blocks read from the hinted holder at arrival (`export_run`) past this replica's
+        own hits; returns prompt tokens covered. The copies occupy blocks allocated here and are
+        registered with the rest of the prompt when prefill completes, exactly as computed ones."""
+        src = job.pull_from
+        if src is None or src is self or job.pull_depth <= job.hit_blocks:
+            return 0
+        n = job.pull_depth - job.hit_blocks
         job.pulled_blocks = n
-        if n and self.pull_holder != "keep":
-            src.after_export(job.req.hashes[job.hit_blocks : job.hit_blocks + n], self.pull_holder)
         return min(n * self.block_size, max(job.req.input_tokens - 1 - job.hit_blocks * self.block_size, 0))
 
     def after_export(self, hashes: list[int], mode: str) -> None:

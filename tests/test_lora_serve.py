@@ -1,0 +1,151 @@
+"""LoRA adapters through the real stack (Serve, Redis, our engine on the bundled model, HTTP):
+/v1/models lists them, a request's `model` runs its adapter with PeftModel's greedy output,
+identical prompts never hit across adapters but do under one, routing follows an adapter's
+prefix, unknown models are 404, and vLLM's run-time load/unload endpoints with an admin key."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from gateway.config import AppConfig
+from replica.default_model import DEFAULT_MODEL_NAME
+from router.protocol.redis_schema import RedisKeys
+from tests.helpers.lora import ATTENTION, ATTENTION_MLP, make_adapter, peft_model
+from tests.helpers.stack import side_app
+
+PROMPT = "The history of the lighthouse keepers on the northern coast began when " * 8
+KEYS = {"sk-admin": {"tenant": "ops", "admin": True}, "sk-user": "acme"}
+ADMIN = {"authorization": "Bearer sk-admin"}
+USER = {"authorization": "Bearer sk-user"}
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(default_model_dir, tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("serve-lora")
+    return {
+        "tutor": make_adapter(default_model_dir, str(d / "tutor"), ATTENTION, 8, seed=11),
+        "poet": make_adapter(default_model_dir, str(d / "poet"), ATTENTION_MLP, 4, seed=12, rslora=True),
+        "late": make_adapter(default_model_dir, str(d / "late"), ["q_proj", "v_proj"], 4, seed=13),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_config(stack, lora_dirs) -> AppConfig:
+    return AppConfig(
+        redis_url=stack.config.redis_url, key_prefix=f"lora-{uuid.uuid4().hex[:6]}", replicas=2,
+        num_blocks=256, max_model_len=1024, api_keys=KEYS, allow_runtime_lora_updating=True,
+        lora={"tutor": lora_dirs["tutor"], "poet": lora_dirs["poet"]}, max_loras=2, max_cpu_loras=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def lora_app(stack, lora_config):
+    with side_app(stack, "lora", lora_config) as url:
+        yield url
+
+
+def complete(url: str, model: str, session: str, prompt: str = PROMPT, max_tokens: int = 8) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{url}/v1/completions", json=body, headers={**USER, "x-session-id": session}, timeout=300)
+
+
+def cached(r: httpx.Response) -> int:
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_models_lists_the_base_and_every_adapter(lora_app, lora_dirs):
+    data = httpx.get(f"{lora_app}/v1/models", headers=USER, timeout=60).json()["data"]
+    by_id = {m["id"]: m for m in data}
+    assert set(by_id) == {DEFAULT_MODEL_NAME, "tutor", "poet"}
+    assert by_id["tutor"]["parent"] == DEFAULT_MODEL_NAME and by_id[DEFAULT_MODEL_NAME]["parent"] is None
+    assert by_id["poet"]["root"] == lora_dirs["poet"] and by_id["poet"]["max_model_len"] == 1024
+
+
+def test_adapter_output_equals_peft_model(lora_app, lora_dirs, default_model_dir):
+    from transformers import AutoTokenizer
+
+    from tests.helpers.engine import reference_greedy
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    ids = tok.encode(PROMPT)
+    for name in ("tutor", "poet"):
+        r = complete(lora_app, name, f"parity-{name}")
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == name
+        ref = reference_greedy(peft_model(default_model_dir, lora_dirs[name]), ids, 8, stop_at_eos=False)
+        assert r.json()["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True), name
+    base = complete(lora_app, DEFAULT_MODEL_NAME, "parity-base").json()["choices"][0]["text"]
+    assert base != r.json()["choices"][0]["text"]
+
+
+def test_no_hit_across_adapters_a_hit_under_one_and_routing_by_adapter_prefix(lora_app, lora_config):
+    import redis
+
+    keys = RedisKeys(lora_config.key_prefix)
+    client = redis.Redis.from_url(lora_config.redis_url)
+    held = {rid: client.scard(keys.blocks(rid)) for rid in client.smembers(keys.replicas)}
+    session = f"s-{uuid.uuid4().hex[:6]}"
+    prompt = f"{uuid.uuid4().hex} " + PROMPT  # fresh: nothing cached anywhere
+    first = complete(lora_app, "tutor", session, prompt)
+    assert cached(first) == 0
+    home = first.headers["x-prefixgate-replica"]
+    deadline = time.monotonic() + 60  # the replica publishes its new blocks asynchronously: wait for them
+    while client.scard(keys.blocks(home)) <= held.get(home.encode(), 0):
+        assert time.monotonic() < deadline, "the first request's blocks never reached the index"
+        time.sleep(0.1)
+    assert cached(complete(lora_app, "poet", session, prompt)) == 0  # same replica (session), other adapter
+    assert cached(complete(lora_app, DEFAULT_MODEL_NAME, session, prompt)) == 0
+    again = complete(lora_app, "tutor", session, prompt)
+    assert cached(again) >= 64
+    # a new session with the same adapter and prompt goes where that adapter's prefix is
+    other = complete(lora_app, "tutor", f"s-{uuid.uuid4().hex[:6]}", prompt)
+    assert cached(other) >= 64, (dict(other.headers), home, other.json())
+    assert other.headers["x-prefixgate-replica"] == home
+    assert other.headers["x-prefixgate-route"] == "prefix", dict(other.headers)
+
+
+def test_unknown_model_is_a_404(lora_app):
+    r = complete(lora_app, "nope", "s")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "tutor" in r.json()["error"]["message"]
+
+
+def test_load_and_unload_at_run_time(lora_app, lora_dirs, tmp_path, tiny_model_dirs):
+    load = {"lora_name": "late", "lora_path": lora_dirs["late"]}
+    assert httpx.post(f"{lora_app}/v1/load_lora_adapter", json=load, headers=USER, timeout=60).status_code == 403
+    assert complete(lora_app, "late", "s-late").status_code == 404
+    r = httpx.post(f"{lora_app}/v1/load_lora_adapter", json=load, headers=ADMIN, timeout=120)
+    assert r.status_code == 200, r.text
+    # both replicas serve it: two sessions, pinned to whichever replica each lands on
+    replicas = set()
+    for i in range(6):
+        r = complete(lora_app, "late", f"late-{i}-{uuid.uuid4().hex[:4]}", f"{i} {uuid.uuid4().hex} " + PROMPT)
+        assert r.status_code == 200, r.text
+        replicas.add(r.headers["x-prefixgate-replica"])
+    assert len(replicas) == 2
+    assert "late" in {m["id"] for m in httpx.get(f"{lora_app}/v1/models", headers=USER, timeout=60).json()["data"]}
+    # refusals: another model's adapter (judged by shapes on a replica), a missing directory, a static name
+    wrong = make_adapter(tiny_model_dirs["llama"], str(tmp_path / "tiny"), ATTENTION, 4, seed=1)
+    for body, status, says in [({"lora_name": "tiny", "lora_path": wrong}, 400, "another model"),
+                               ({"lora_name": "gone", "lora_path": str(tmp_path / "none")}, 400, "does not exist"),
+                               ({"lora_name": "tutor", "lora_path": lora_dirs["late"]}, 400, "configured at start"),
+                               ({"lora_path": lora_dirs["late"]}, 400, "lora_name")]:
+        r = httpx.post(f"{lora_app}/v1/load_lora_adapter", json=body, headers=ADMIN, timeout=120)
+        assert r.status_code == status and says in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{lora_app}/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    assert complete(lora_app, "late", "s-late").status_code == 404
+    r = httpx.post(f"{lora_app}/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=ADMIN, timeout=60)
+    assert r.status_code == 404
+    assert complete(lora_app, "tutor", "s-after").status_code == 200  # the others still serve
+
+
+def test_runtime_endpoints_are_off_by_default(stack):
+    r = httpx.post(f"{stack.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"}, timeout=30)
+    assert r.status_code == 404 and "off" in r.json()["error"]["message"]
+    assert complete(stack.url, "tutor", "s").status_code == 404
