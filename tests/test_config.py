@@ -141,3 +141,28 @@ def test_stream_interval_flag_reaches_the_replicas():
         _parse("--stream-interval-ms", "5000")
     with pytest.raises(ValueError, match="stream_interval_ms"):
         AppConfig(stream_interval_ms=-1)
+
+
+def test_lora_flags_and_config_keys_reach_the_engine(tmp_path):
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    config = _parse("--lora", f"sql-v1={adapter}", "--lora", f"Sql.2={adapter}", "--max-loras", "3",
+                    "--max-lora-rank", "32", "--max-cpu-loras", "5", "--allow-runtime-lora-updating", "true",
+                    "--enable-lora", "true")
+    assert config.lora == {"sql-v1": str(adapter), "Sql.2": str(adapter)}  # names as written
+    assert config.allow_runtime_lora_updating and config.enable_lora
+    engine = engine_config(config, "m")
+    assert (engine.lora_adapters, engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras) == (
+        config.lora, 3, 32, 5) and engine.lora
+    # a Serve config file's args
+    served = AppConfig.from_dict({"lora": {"sql": str(adapter)}, "max_loras": 2, "max_cpu_loras": 2})
+    assert engine_config(served, "m").lora_adapters == {"sql": str(adapter)}
+    assert not engine_config(AppConfig(), "m").lora
+    for bad, says in [({"lora": {"x": str(tmp_path / "none")}}, "does not exist"),
+                      ({"lora": {"bad name": str(adapter)}}, "must match"),
+                      ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras >= max_loras"),
+                      ({"engine": "vllm", "lora": {"x": str(adapter)}}, "engine vllm")]:
+        with pytest.raises(ValueError, match=says):
+            AppConfig.from_dict(bad)

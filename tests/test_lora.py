@@ -102,7 +102,7 @@ def test_one_slot_and_one_resident_adapter_reload_with_the_same_output(tiny_mode
 
 
 def test_refusals_name_the_problem(tiny_model_dirs, adapters, tmp_path):
-    from replica.core.engine_core import UnknownAdapterError
+    from replica.core.engine_types import UnknownAdapterError
     from replica.engine import InvalidRequestError
 
     model, ads = tiny_model_dirs["llama"], adapters["llama"]

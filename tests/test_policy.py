@@ -264,3 +264,74 @@ def test_cache_blind_baselines_rank_fallbacks_without_the_cache(name):
     busy = [ReplicaView("a", matched_blocks=8, waiting=5), ReplicaView("b")]
     if name != "random":
         assert [v.replica_id for v in p.rank(request(8), busy)] == ["b", "a"]
+
+
+# ---- affinity: balance tolerance, matches past the publish depth, route reasons ---------------
+
+
+def test_affinity_balance_tie_break_does_not_override_a_small_prefix():
+    """r0 holds 2 of the prompt's 24 blocks and was sent more work recently than r1. The
+    recent-work tie-break only ties replicas whose costs differ by load noise (0.05 x the
+    prompt), so the saved prefill (4 x 2 blocks) keeps the request on the holder. At the old
+    0.5 the two were 'tied' and the request went to r1, losing the hit."""
+    p = make_policy("affinity", seed=0)
+    reps = idle(2)
+    for i in range(8):  # r0 got several cold prompts lately
+        p.commit(request(24, first=50_000 + 100 * i), "r0", 0, 2)
+    reps[0].matched_blocks = 2
+    d = p.choose(request(24), reps)
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r0", "prefix", 2)
+    # with equal costs the tie-break still spreads work: a cold prompt goes to the one sent less
+    assert p.choose(request(24, first=90_000), idle(2)).replica_id == "r1"
+
+
+def capped(prompt_blocks: int, depth: int = 64) -> RouteRequest:
+    """A prompt longer than the publish depth: the router hashes its first `depth` blocks only."""
+    return RouteRequest(list(range(1000, 1000 + depth)), prompt_blocks * BS + 1, BS)
+
+
+def test_affinity_prices_a_match_at_the_publish_depth_as_reaching_further():
+    """A 120-block prompt of which the router sees 64: r0 matches all 64 and has a queue, r1 is
+    idle and holds nothing. r0 most likely holds the whole prompt (a conversation's previous
+    turn); priced as saving 64 blocks only, its 150k-token queue looked dearer than recomputing
+    120 blocks on r1."""
+    p = make_policy("affinity", seed=0)
+    req = capped(120)
+    holder = ReplicaView("r0", matched_blocks=64, waiting=3, pending_prefill_tokens=150_000)
+    assert p.beyond(req, 64) == 120 and p.beyond(req, 63) == 63
+    assert p.cost(req, holder) == pytest.approx(4 * 1 + 150_000 + 256 * 3)  # the prompt's trailing token
+    d = p.choose(req, [holder, ReplicaView("r1")])
+    assert (d.replica_id, d.reason) == ("r0", "prefix")
+    # a prompt that ends within the depth is matched exactly: nothing assumed past it
+    short = RouteRequest(list(range(1000, 1040)), 40 * BS + 1, BS)
+    assert p.beyond(short, 40) == 40
+    # beyond_depth=0 prices the seen match only (the old rule)
+    assert make_policy("affinity", seed=0, beyond_depth=0).beyond(req, 64) == 64
+
+
+def test_beyond_depth_continues_in_the_tier_the_match_ends_in():
+    p = make_policy("affinity", seed=0)
+    req = capped(120)
+    on_host = ReplicaView("r0", matched_blocks=64, host_blocks=8)
+    usable, copy = p.own_hits(req, on_host)
+    assert usable == 120
+    from router.protocol.media import HOST
+    assert copy == pytest.approx(p.transfer.tier_tokens_equiv(HOST, (8 + 56) * BS))
+
+
+def test_route_reasons_are_one_list_with_stale():
+    from router.decider import Decider, InflightPrefixes
+    from router.policy import REASONS
+    from router.sim.loads import SimLoadTable
+
+    assert set(REASONS) == {"session", "prefix", "load", "fallback", "pull", "stale"}
+
+    class Rep:
+        def heartbeat(self, now):
+            return {"running": 0, "waiting": 0, "pending_prefill_tokens": 0}
+
+    loads = SimLoadTable({"r0": Rep(), "r1": Rep()}, lambda: 0.0)
+    loads.sync()
+    decider = Decider(make_policy("affinity", seed=0), loads, InflightPrefixes(5.0, clock=lambda: 0.0))
+    routed = decider.degraded(request(4), ["r0", "r1"], lambda rid: 0)
+    assert routed.decision.reason == "stale" and routed.decision.reason in REASONS

@@ -64,9 +64,10 @@ def route(blocks: int, session: str | None = None) -> RouteRequest:
 
 
 def busy_holder_and_idle_replica() -> list[ReplicaView]:
-    """r0 holds the whole 16-block prefix but has a long queue; r1 is idle and holds nothing."""
+    """r0 holds the whole 16-block prefix but has a long queue (more than copy_weight x the
+    prefix, less than miss_weight x it); r1 is idle and holds nothing."""
     return [
-        ReplicaView("r0", matched_blocks=16, running=8, waiting=4, pending_prefill_tokens=20_000),
+        ReplicaView("r0", matched_blocks=16, running=8, waiting=4, pending_prefill_tokens=28_000),
         ReplicaView("r1"),
     ]
 
@@ -116,6 +117,39 @@ def test_commit_charges_only_the_prefill_left_after_a_pull():
     assert charged == pytest.approx(1)  # 16 blocks pulled, the trailing token computed
 
 
+def test_pull_weights_price_recompute_as_affinity_does():
+    """miss_weight 4 (affinity's) and copy_weight 3: where no pull pays (a link slower than the
+    break-even), affinity-pull prices and decides exactly as affinity, on any views."""
+    import random
+
+    p = AffinityPullPolicy(seed=0)
+    assert (p.miss_weight, p.copy_weight) == (4.0, 3.0)
+    p.calibrate(bytes_per_s=1e9)  # below break-even: never offered
+    aff = make_policy("affinity", seed=0)
+    rng = random.Random(5)
+    for i in range(300):
+        blocks = rng.randint(1, 40)
+        req = RouteRequest(list(range(1, blocks + 1)), blocks * BS + rng.randint(0, BS - 1), BS)
+        views = [ReplicaView(f"r{j}", matched_blocks=rng.randint(0, blocks), running=rng.randint(0, 6),
+                             waiting=rng.randint(0, 4), pending_prefill_tokens=rng.randint(0, 40_000))
+                 for j in range(4)]
+        assert p.rank(req, views) == aff.rank(req, views)
+        assert p.choose(req, views).replica_id == aff.choose(req, views).replica_id, i
+
+
+def test_a_holder_past_the_publish_depth_is_not_left_for_a_capped_pull():
+    """A 120-block prompt hashed to 64: r0 matches all 64 (so most likely the whole prompt)
+    with a queue, r1 is idle. A pull is capped at the 64 blocks the router saw, so moving the
+    request means pulling 64 and recomputing 56: the holder is cheaper and keeps it (before, it
+    was priced as saving 64 blocks only and the request went to r1 to pull and recompute)."""
+    req = RouteRequest(list(range(1, 65)), 120 * BS + 1, BS)
+    views = [ReplicaView("r0", matched_blocks=64, running=4, waiting=2, pending_prefill_tokens=40_000),
+             ReplicaView("r1")]
+    d = make_policy("affinity-pull", seed=0).choose(req, views)
+    assert (d.replica_id, d.pull_from) == ("r0", None)
+    assert make_policy("affinity", seed=0).choose(req, views).replica_id == "r0"
+
+
 # ---- simulator ------------------------------------------------------------------------------
 
 
@@ -145,29 +179,47 @@ def test_sim_pull_counts_blocks_and_inserts_them_as_if_computed():
     assert r.ttft_p99_s < aff.ttft_p99_s
 
 
-def test_sim_pull_after_eviction_falls_back_to_recompute():
-    """The holder evicts the prefix between the decision and the pull: nothing is pulled, the
-    request recomputes and still completes."""
+def test_sim_pull_reads_the_source_at_arrival():
+    """The pull reads the holder's pool when the request reaches the puller (a live replica
+    pulls before the request queues for its engine): the holder evicting the prefix while the
+    request waits does not shorten the pull. Evicted before the request arrives, nothing is
+    pulled and the request recomputes, and still completes."""
     from router.costs.service import ServiceModel
     from router.index.memory_index import InMemoryIndex
     from router.sim.replica import Job, SimReplica
 
-    index = InMemoryIndex()
-    holder = SimReplica("r0", 4, BS, ServiceModel(), index)
-    puller = SimReplica("r1", 8, BS, ServiceModel(), index)
-    first = SimRequest(0.0, [1, 2, 3], 3 * BS, 1)
-    holder.enqueue(Job(first, 0.0, 3 * BS, 0))
-    holder.try_start(0.0)
-    job, _ = holder.prefill_done(1.0)
-    holder.finish(job)
-    assert index.match([1, 2, 3], ["r0"]) == {"r0": 3}
+    def fleet():
+        index = InMemoryIndex()
+        holder = SimReplica("r0", 4, BS, ServiceModel(), index)
+        puller = SimReplica("r1", 8, BS, ServiceModel(), index)
+        first = SimRequest(0.0, [1, 2, 3], 3 * BS, 1)
+        holder.enqueue(Job(first, 0.0, 3 * BS, 0))
+        holder.try_start(0.0)
+        job, _ = holder.prefill_done(1.0)
+        holder.finish(job)
+        assert index.match([1, 2, 3], ["r0"]) == {"r0": 3}
+        return index, holder, puller
+
+    def evict(holder):
+        other = SimRequest(1.0, [7, 8, 9], 3 * BS, 1)  # evicts 1, 2, 3 from the holder's 4 blocks
+        holder.enqueue(Job(other, 1.0, 3 * BS, 0))
+        holder.try_start(1.0)
+
     late = SimRequest(1.0, [1, 2, 3, 4], 4 * BS, 1)
-    pull = Job(late, 1.0, BS, 0, pull_from=holder, pull_depth=3)
+    # evicted after the arrival: the pull already has the blocks
+    index, holder, puller = fleet()
+    pull = Job(late, 1.0, BS, 0, pull_from=holder, pull_depth=holder.export_run(late.hashes, 3))
     puller.enqueue(pull)
-    other = SimRequest(1.0, [7, 8, 9], 3 * BS, 1)  # evicts 1, 2, 3 from the holder's 4 blocks
-    holder.enqueue(Job(other, 1.0, 3 * BS, 0))
-    holder.try_start(1.0)
+    evict(holder)
     assert index.match([1, 2, 3], ["r0"])["r0"] < 3
+    assert puller.try_start(1.5) is not None
+    assert pull.pulled_blocks == 3 and pull.uncached == BS
+    # evicted before it: nothing to read, recompute
+    index, holder, puller = fleet()
+    evict(holder)
+    assert holder.export_run(late.hashes, 3) == 0
+    pull = Job(late, 1.0, 4 * BS, 0)
+    puller.enqueue(pull)
     assert puller.try_start(1.5) is not None
     assert pull.pulled_blocks == 0 and pull.uncached == 4 * BS
     pull_done, _ = puller.prefill_done(3.0)
