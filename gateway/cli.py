@@ -119,6 +119,7 @@ BENCHES = {
     "engine": ("loadtest.bench.engine_bench", "the engine: prefix reuse, batched decode, memory"),
     "router": ("loadtest.bench.router_bench", "the router's Redis index: lookup latency per fleet size"),
     "serving": ("loadtest.bench.serving_bench", "the serving path's ceiling: sim replicas at near-zero cost, streaming clients"),
+    "lora": ("loadtest.bench.lora_bench", "LoRA decode: rows over several adapters against base-model rows"),
 }
 
 

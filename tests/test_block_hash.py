@@ -14,6 +14,8 @@ def test_golden_vectors():
     seed = chain_seed(MODEL)
     assert seed == 12920817300507522723
     assert chain_seed(MODEL, "tenant-a") == 17777265403738774732
+    assert chain_seed(MODEL, None, "sql@0123456789abcdef") == 696903993156663527  # docs/block-hashing.md
+    assert chain_seed(MODEL, "tenant-a", "sql@0123456789abcdef") == 6342329426777775409
     assert hash_block(0, []) == 3803688792395291579
     assert hash_block(0, [0] * 16) == 15186522882355062158
     assert block_hashes(list(range(40)), 16, seed) == [8734148479450452188, 5994338326962209068]

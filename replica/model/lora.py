@@ -55,8 +55,9 @@ class RowSlots:
     """The slot of every row of one step (-1: the base model), and the 0/1 masks built from it,
     one per column layout (slices x rank), built once per step."""
 
-    def __init__(self, slots: torch.Tensor, num_slots: int) -> None:
+    def __init__(self, slots: torch.Tensor, num_slots: int, active: set[int]) -> None:
         self.slots, self.num_slots = slots, num_slots
+        self.active = active  # the slots some row uses
         self._masks: dict[int, torch.Tensor] = {}
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -88,11 +89,12 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         rows: RowSlots | None = getattr(_active, "rows", None)
-        if rows is None or not any(self.loaded):
-            return y
+        if rows is None or not any(self.loaded[s] for s in rows.active):
+            return y  # no row of this step runs an adapter that targets this layer
         flat = x.reshape(-1, self.in_features)
-        low = (flat @ self.a.t()) * rows.mask(self.width, flat.dtype)
-        return y + (low @ self.b).view_as(y)
+        low = torch.mm(flat, self.a.t()).mul_(rows.mask(self.width, flat.dtype))
+        out = y.view(-1, self.out_features)
+        return torch.addmm(out, low, self.b).view_as(y)
 
     def clear(self, slot: int) -> None:
         w = self.width

@@ -238,7 +238,7 @@ class ModelRunner:
         if self.lora is None or all(c.seq.lora_slot < 0 for c in chunks):
             return None
         slots = [c.seq.lora_slot for c in chunks for _ in range(c.end - c.start)]
-        return lora.RowSlots(torch.tensor(slots, device=self.device), self.lora.num_slots)
+        return lora.RowSlots(torch.tensor(slots, device=self.device), self.lora.num_slots, set(slots) - {-1})
 
 
 def _is_decode(c: ScheduledChunk) -> bool:
