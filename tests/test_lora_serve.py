@@ -149,3 +149,18 @@ def test_runtime_endpoints_are_off_by_default(stack):
     r = httpx.post(f"{stack.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"}, timeout=30)
     assert r.status_code == 404 and "off" in r.json()["error"]["message"]
     assert complete(stack.url, "tutor", "s").status_code == 404
+
+
+def test_replicas_export_vllm_lora_requests_info(lora_app, stack):
+    from tests.helpers.metrics import scrape
+
+    assert complete(lora_app, "poet", f"m-{uuid.uuid4().hex[:6]}").status_code == 200
+    deadline = time.monotonic() + 120  # Ray's agents export about every 10 s
+    while True:
+        series = scrape(stack.metrics_port).get("ray_vllm_lora_requests_info", [])
+        mine = [labels for labels, _ in series if labels.get("application") == "lora"]
+        if any(labels["max_lora"] == "2" for labels in mine):
+            break
+        assert time.monotonic() < deadline, f"no vllm_lora_requests_info from the LoRA app: {series}"
+        time.sleep(2)
+    assert {"running_lora_adapters", "waiting_lora_adapters", "model_name"} <= set(mine[0])

@@ -80,14 +80,6 @@ class LocalBackend:
         """Read and check `adapter` now (InvalidRequestError says why it cannot be served)."""
         await self.engine.submit(lambda engine: serve_adapter(engine, adapter))
 
-    def adapters(self) -> dict[str, list[str]]:
-        """vLLM's lora_requests_info: adapters with running and with waiting requests."""
-        e = self.engine.engine
-        if e.adapter_slots is None:
-            return {"running": [], "waiting": []}
-        waiting = sorted({s.adapter for s in e.scheduler.waiting if s.adapter is not None})
-        return {"running": e.adapter_slots.running(), "waiting": waiting}
-
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 

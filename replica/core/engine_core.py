@@ -316,4 +316,12 @@ class EngineCore:
             steps=self._steps,
             generated_tokens=self._generated,
             tiers=self.tier_usage(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        slots = self.adapter_slots
+        if slots is None:
+            return {}
+        waiting = sorted({s.adapter for s in self.scheduler.waiting if s.adapter is not None})
+        return {"lora_running": slots.running(), "lora_waiting": waiting, "max_loras": slots.max_loras}

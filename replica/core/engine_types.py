@@ -60,6 +60,10 @@ class EngineStats:
     steps: int = 0
     generated_tokens: int = 0
     tiers: dict[str, TierUsage] = field(default_factory=dict)  # per lower medium (host, disk)
+    # LoRA (vLLM's lora_requests_info): adapters with running / waiting requests, the batch's limit
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
+    max_loras: int = 0
 
 
 @dataclass

@@ -82,6 +82,9 @@ class ReplicaMetrics:
         self.tier_demotions = metric("counter", "prefixgate_kv_tier_demotions", "Blocks moved down into a tier", ["medium"])
         self.tier_dropped = metric("counter", "prefixgate_kv_tier_dropped", "Blocks that left the last tier (their K/V is gone)", ["medium"])
         self.tier_bytes = metric("counter", "prefixgate_kv_tier_bytes", "K/V bytes copied into or out of a tier", ["medium", "direction"])
+        # vLLM's: value = time of the reading; llm-d's LoRA-affinity scorer reads the labels
+        self.lora_info = metric("gauge", "vllm_lora_requests_info", "Running and waiting LoRA adapters",
+                                ["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         self._preemptions_seen = 0
         self._tier_seen: dict[tuple[str, str], int] = {}
         for counter in (self.cache_queries, self.cache_hits, self.preemptions, self.prompt_tokens, self.generation_tokens):
@@ -114,6 +117,8 @@ class ReplicaMetrics:
         self.inference.observe(m.inference_time)
 
     def gauges(self, s: EngineStats) -> None:
+        if s.max_loras:
+            self.lora_info.labels(",".join(s.lora_running), ",".join(s.lora_waiting), s.max_loras).set(time.time())
         self.running.set(s.running)
         self.waiting.set(s.waiting)
         self.swapped.set(0)
