@@ -17,7 +17,12 @@ from ray.serve.config import RequestRouterConfig
 from gateway.config import AppConfig
 from gateway.server import Gateway
 from replica.backends.engine_protocol import ENGINE_NAMES
-from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings, vllm_python
+from replica.backends.vllm_settings import (
+    VLLM_BLOCK_MULTIPLE,
+    VLLM_LORA_RANKS,
+    VllmSettings,
+    vllm_python,
+)
 from replica.default_model import DEFAULT_MODEL_NAME
 from replica.engine_config import EngineConfig
 from replica.serve.deployment import PrefixCacheReplica
@@ -148,6 +153,9 @@ def vllm_settings(config: AppConfig) -> dict | None:
 
     if config.device == "cpu" and config.block_size % VLLM_BLOCK_MULTIPLE:
         raise ValueError(f"engine vllm on CPU needs a block size that is a multiple of {VLLM_BLOCK_MULTIPLE}, got {config.block_size}")
+    if config.lora_enabled and config.max_lora_rank not in VLLM_LORA_RANKS:  # vLLM refuses the engine otherwise
+        raise ValueError(f"engine vllm takes max_lora_rank in {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's "
+                         f"LoRAConfig), got {config.max_lora_rank}")
     fields = {"cpu_kvcache_gib": max(1, -(-config.kv_cache_mb // 1024)), **dict(config.vllm)}
     return asdict(VllmSettings(**fields))
 

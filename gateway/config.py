@@ -214,12 +214,10 @@ class AppConfig:
         return self.enable_lora or bool(self.lora) or self.allow_runtime_lora_updating
 
     def check_lora(self) -> None:
-        """Adapters are our engine's (and the sim's) for now; each directory is checked at load,
-        naming the file (its tensors are checked against the model when a replica starts)."""
+        """Each adapter directory is checked at load, naming the file (its tensors are checked
+        against the model when a replica starts: our engine's, or vLLM's, docs/lora.md)."""
         from router.protocol.lora import adapter_ref
 
-        if self.lora_enabled and self.engine == "vllm":
-            raise ValueError("LoRA adapters are served by engine model (and sim); engine vllm does not take them yet")
         if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < self.max_loras:
             raise ValueError(f"need max_loras >= 1, max_lora_rank >= 1 and max_cpu_loras >= max_loras, got "
                              f"{self.max_loras}, {self.max_lora_rank}, {self.max_cpu_loras}")

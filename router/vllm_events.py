@@ -105,7 +105,7 @@ class EventTranslator:
         self.depth = depth
         self.cache_salt = cache_salt  # the salt of prompts whose events carry none
         self.seed = chain_seed(model_id, cache_salt)
-        self._seeds: dict[str | None, int] = {cache_salt: self.seed}
+        self._seeds: dict[tuple[str | None, str | None], int] = {(cache_salt, None): self.seed}
         self._blocks: dict[BlockHash, _Block] = {}  # vLLM hash -> ours, position, media
         self._held: set[int] = set()  # our hashes of what vLLM holds, in any medium
         self._unknown_seen: set[str | None] = set()  # unknown media already logged
@@ -126,12 +126,17 @@ class EventTranslator:
         what a publisher's full resync writes."""
         return [(b.ours, b.position, b.medium) for b in self._blocks.values() if b.position < self.depth]
 
-    def chain_root(self, salt: str | None) -> int:
-        if salt is None:
-            return self.seed
-        if salt not in self._seeds:
-            self._seeds[salt] = chain_seed(self.model_id, salt)
-        return self._seeds[salt]
+    def chain_root(self, salt: str | None, adapter: str | None = None) -> int:
+        """Our root of a prompt's chain: the model's, under the tenant's salt (None: the stream's
+        own) and the LoRA adapter's identity (None: the base model). vLLM's events name the
+        adapter by the `lora_name` it was registered under, which a prefixgate replica makes the
+        adapter's identity (router.protocol.lora.AdapterRef.identity: name and content digest)."""
+        salt = self.cache_salt if salt is None else salt
+        key = (salt, adapter or None)
+        root = self._seeds.get(key)
+        if root is None:
+            root = self._seeds[key] = chain_seed(self.model_id, salt, adapter)
+        return root
 
     def translate(self, batch: KVEventBatch) -> list[Event]:
         """Writes for one batch, in order; ("clear", [], DEVICE) for AllBlocksCleared."""
@@ -192,8 +197,8 @@ class EventTranslator:
         if event.block_size != self.block_size or len(event.token_ids) < n * self.block_size:
             self.stats.skipped += unknown  # e.g. a CPU copy of a block we never saw stored
             return
-        if event.parent_block_hash is None:  # a tenant's prompt starts from its own salted root
-            parent, position = self.chain_root(event.cache_salt()), 0
+        if event.parent_block_hash is None:  # a prompt starts from its tenant's and its adapter's root
+            parent, position = self.chain_root(event.cache_salt(), event.lora_name), 0
         elif event.parent_block_hash in self._blocks:
             parent_block = self._blocks[event.parent_block_hash]
             parent, position = parent_block.ours, parent_block.position + 1

@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from replica.core.engine_types import EngineStats, RequestOutput
 from replica.kvcache.block_manager import KVEventListener
+from router.protocol.lora import AdapterRef
 from router.protocol.sampling import SamplingParams
 
 ENGINE_NAMES = ("model", "sim", "vllm")
@@ -81,13 +82,18 @@ class EngineBackend(Protocol):
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        adapter: AdapterRef | None = None,
         **extra: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's deltas; the last has finished=True. Raises InvalidRequestError
         before anything runs for a request the engine refuses, EngineDeadError when it stops.
+        `adapter`: the LoRA adapter to run under (where `capabilities.lora`), read first if new.
         `extra`: prefix_output_token_ids/prefix_text_len (a migrated stream), kv_prefix (pulled
         K/V), kv_pull_blocks (a modelled pull) where the capabilities say so."""
         ...
+
+    async def add_adapter(self, adapter: AdapterRef) -> None:
+        """Read and check a LoRA adapter now (InvalidRequestError says why it cannot be served)."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free what it holds; returns at once."""

