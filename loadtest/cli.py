@@ -30,9 +30,11 @@ from loadtest.summary import format_table, load_records, summarize
 from router import registry
 
 DEFAULT_OUT = REPO / "loadtest" / "results"
-# The default comparison: a choice among the registry's names (tests check they are in it).
+# The default comparison: a choice among the registry's names (tests check they are in it), the
+# default policy first; `affinity` stays the base the checks' ratios are taken against.
 # `ray-pow2` is the row docs/loadtest.md's tables label `pow2` (Ray's default router, renamed).
-DEFAULT_COMPARE = ("affinity", "prefix", "session", "ray-pow2", "random", "ray-prefix", "ray-session")
+DEFAULT_COMPARE = tuple(dict.fromkeys((registry.DEFAULT_POLICY, "affinity", "prefix", "session", "ray-pow2",
+                                       "random", "ray-prefix", "ray-session")))
 
 
 # Presets fill every setting the command line leaves unset.

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gateway.local_redis import free_port
+from router.policy_table import DEFAULT_POLICY
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "loadtest" / "results"
@@ -331,7 +332,7 @@ def system_for(name: str, s: Settings, args: argparse.Namespace) -> System:
         vllm = name == "prefixgate-vllm"
         block = s.vllm_block_size if vllm else s.ours_block_size
         argv = [args.prefixgate, "serve", "--engine", "vllm" if vllm else "model", "--replicas", str(s.replicas),
-                "--policy", "affinity", "--block-size", str(block), "--num-blocks", str(s.num_blocks(block)),
+                "--policy", DEFAULT_POLICY, "--block-size", str(block), "--num-blocks", str(s.num_blocks(block)),
                 "--max-model-len", str(s.max_model_len), "--model", s.model, "--model-name", s.model_name,
                 "--port", str(port), "--metrics-port", str(mport)]
         return System(name, argv, port, mport, "[prefixgate] serving until Ctrl-C")

@@ -132,9 +132,9 @@ class Policy:
         return ties[0] if len(ties) == 1 else self.rng.choice(ties)
 
 
-@register_policy(summary="cache affinity under a load budget: the replica whose cache saves the most prefill, until its queue costs more (the default)")
+@register_policy(summary="cache affinity under a load budget: the replica whose cache saves the most prefill, until its queue costs more")
 class AffinityPolicy(Policy):
-    """Cache affinity under a load budget (the default policy).
+    """Cache affinity under a load budget (the default, `affinity-pull`, is this plus pulls).
 
     Cost model, in prefill-token equivalents (roughly proportional to the time to first token
     this request would see on the replica, with misses priced higher):
@@ -304,9 +304,11 @@ class AffinityPolicy(Policy):
         return Decision(best.replica_id, reason, best.matched_blocks)
 
 
-@register_policy(summary="affinity where a replica may copy a prefix's K/V from the replica holding it instead of recomputing it (docs/kv-pull.md)")
+@register_policy(summary="affinity where a replica may copy a prefix's K/V from the replica holding it instead of recomputing it (docs/kv-pull.md; the default)")
 class AffinityPullPolicy(AffinityPolicy):
-    """Affinity where a replica may copy a prefix's K/V from another replica (issue 15).
+    """Affinity where a replica may copy a prefix's K/V from another replica; the
+    default policy (router/policy_table.py DEFAULT_POLICY). Where no replica can pull (vLLM
+    replicas) or no pull pays, it decides as affinity does.
 
     Each replica gets the cheaper of two ways to obtain the prompt's leading blocks it lacks:
       recompute: miss_weight * uncached_local                      (as affinity)
@@ -557,7 +559,7 @@ class LeastLoadedPolicy(Policy):
         return sorted(replicas, key=lambda r: (r.pending_prefill_tokens, _queued(r)))
 
 
-# Ours by name, in the order above (the default first): the registry's view, for the simulator.
+# Ours by name, the default first, then in the order above: the registry's view, for the simulator.
 POLICIES: dict[str, type[Policy]] = {e.name: e.policy_class for e in policy_table.entries(policy_table.OURS)}
 
 

@@ -15,7 +15,11 @@ from typing import Literal, TypeVar
 Kind = Literal["ours", "ray"]
 OURS: Kind = "ours"
 RAY: Kind = "ray"
-DEFAULT_POLICY = "affinity"
+# The policy a router runs unless told otherwise: defined here only (router/router_options.py
+# and router/registry.py import it). The best of ours on hit rate and TTFT p99 in the simulator
+# on the shared Mooncake trace (docs/simulator.md, "After"); with replicas that cannot pull
+# (vLLM) it decides as `affinity` does.
+DEFAULT_POLICY = "affinity-pull"
 OUR_ROUTER_CLASS = "router.ray_router.PrefixGateRouter"  # serves every policy of ours
 
 
@@ -83,9 +87,10 @@ _register_ray("ray-session", "ray.serve.experimental.consistent_hash_router.Cons
 
 
 def entries(kind: Kind | None = None) -> tuple[PolicyEntry, ...]:
-    """Ours first (in router/policy.py's order, the default first), then Ray's."""
+    """Ours first (the default, then the rest in router/policy.py's order), then Ray's."""
     table = _ENTRIES.values()
-    ordered = [e for e in table if e.is_ours] + [e for e in table if not e.is_ours]
+    ours = sorted((e for e in table if e.is_ours), key=lambda e: e.name != DEFAULT_POLICY)  # stable
+    ordered = ours + [e for e in table if not e.is_ours]
     return tuple(e for e in ordered if kind is None or e.kind == kind)
 
 

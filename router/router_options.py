@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from router.policy_table import DEFAULT_POLICY
 from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS, LOOKUP_TIMEOUT_S
 
-DEFAULT_POLICY = "affinity"
 PUBLISH_DEPTH = 64  # leading blocks of a prompt that are hashed, published and matched
 SESSION_TTL_S = 1800  # a session's last replica is remembered this long (sliding)
 SAMPLED_REPLICAS = 4  # replicas scored for load alone, besides the matched and the session's

@@ -195,7 +195,9 @@ def test_every_name_with_sensible_values(traffic_scrape, stack):
     # ours: routing decisions by policy and reason, from the router inside the gateway replica
     decisions = s["ray_prefixgate_route_decisions_total"]
     assert stack.config.policy in {labels["policy"] for labels, _ in decisions}, decisions
-    assert {labels["reason"] for labels, _ in decisions} <= {"prefix", "session", "load", "fallback", "stale", "random", "hash"}
+    from router.policy import REASONS
+
+    assert {labels["reason"] for labels, _ in decisions} <= set(REASONS)  # the one list, `pull` and `stale` included
     assert sum(v for _, v in decisions) >= sent
     assert total(s, "ray_prefixgate_requests_total", endpoint="chat", status="200") >= sent
     # every replica metric joins Serve's request counter on WorkerId (Ray's dashboard relies on it)

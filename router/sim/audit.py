@@ -263,7 +263,8 @@ class RoutingAudit:
                 view = replace(view, matched_blocks=rec.best)
             else:
                 view = router.view(rec.holder, rec.best)
-            rec.holder_cost_true = policy.cost(route, view)
+            # priced on the whole prompt's hashes: the true match, not one assumed past the depth
+            rec.holder_cost_true = policy.cost(replace(route, block_hashes=req.hashes), view)
         if rec.best > rec.effective:
             rec.cause = self._classify(rec, policy, route, views, session_replica, raw)
         return rec
