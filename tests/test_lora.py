@@ -196,3 +196,39 @@ def test_slots_admit_up_to_max_loras_and_reuse_idle_ones():
     slots.release("a")
     slots.release("a")
     assert slots.acquire("b") == 0
+
+
+def test_a_pull_under_an_adapter_imports_that_adapters_blocks(tiny_model_dirs, adapters):
+    """A pull hint for an adapter's prompt copies the holder's blocks keyed under the adapter,
+    and the puller's output is the holder's."""
+    import asyncio
+
+    from replica.async_engine import AsyncLLMEngine
+    from replica.kv_io import kv_transfer
+    from replica.kv_io.kv_pull import KvPuller
+    from router.protocol.messages import KvSource
+
+    model, ads = tiny_model_dirs["llama"], adapters["llama"]
+    holder = engine_for(model, ads)
+    [held] = run(holder, [(PROMPT, "attn")])
+    run(holder, [(PROMPT, None)])  # the base model's blocks of the same tokens are there too
+
+    class Exporter:  # the transport, answered by the holder's engine
+        async def call(self, replica_id, method, hashes, tokens, first):
+            return kv_transfer.export_prefix(holder, hashes, tokens, first)
+
+    puller_engine = engine_for(model, ads)
+    looped = AsyncLLMEngine(puller_engine)
+    try:
+        puller = KvPuller(looped, "me", caller=Exporter())
+        identity = puller_engine.adapters["attn"].identity
+        kv = asyncio.run(puller.pull(KvSource("holder", 2), PROMPT, None, identity))
+        assert kv is not None and kv.num_blocks == 2
+    finally:
+        looped.shutdown()
+    rid = puller_engine.add_request(PROMPT, greedy(), adapter="attn", kv_prefix=kv)
+    assert puller_engine.kv_imported_blocks == 2
+    done = None
+    while done is None:
+        done = next((o for o in puller_engine.step() if o.finished and o.request_id == rid), None)
+    assert done.num_cached_tokens == 32 and done.token_ids == held.token_ids

@@ -187,15 +187,17 @@ class KvPuller:
         self.in_flight_tokens = 0  # their prompt tokens (all computed if the pull fails)
 
     # ---- the receiving side ---------------------------------------------------------------
-    async def pull(self, source: KvSource, prompt: list[int], cache_salt: str | None) -> kv_transfer.KvBlocks | None:
-        """The hinted blocks this replica lacks, or None (then the request computes them)."""
+    async def pull(self, source: KvSource, prompt: list[int], cache_salt: str | None,
+                   adapter: str | None = None) -> kv_transfer.KvBlocks | None:
+        """The hinted blocks this replica lacks, or None (then the request computes them).
+        `adapter`: the identity of the request's LoRA adapter (its blocks are keyed under it)."""
         e = self.engine.engine
         bs = e.config.block_size
         n = min(source.num_blocks, (len(prompt) - 1) // bs)
         if source.replica_id == self.replica_id or n <= 0 or self.caller is None:
             return self._outcome("skipped")
         try:
-            hashes = block_hashes(prompt[: n * bs], bs, chain_seed(e.model_id, cache_salt))
+            hashes = block_hashes(prompt[: n * bs], bs, chain_seed(e.model_id, cache_salt, adapter))
         except (struct.error, TypeError, OverflowError):  # not token ids: the add refuses it (400)
             return self._outcome("skipped")
         first = 0

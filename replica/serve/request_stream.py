@@ -106,7 +106,8 @@ async def _engine_extras(replica: StreamHost, request: GenerateRequest, route: R
                  "prefix_text_len": request.prefix_text_len}
     pull = route.pull if route is not None else None
     if pull is not None and replica.kv_pull is not None:
-        kv = await replica.kv_pull.pull(pull, request.prompt_token_ids, request.cache_salt)
+        adapter = request.adapter.identity if request.adapter is not None else None
+        kv = await replica.kv_pull.pull(pull, request.prompt_token_ids, request.cache_salt, adapter)
         if kv is not None:
             extra["kv_prefix"] = kv  # imported with the request's own add, on the engine thread
     if pull is not None and replica.settings.sim is not None and pull.replica_id != replica.replica_id:
