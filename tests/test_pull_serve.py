@@ -32,8 +32,11 @@ def pull_gateway(stack, redis_server):
     from gateway.config import AppConfig
 
     prefix = f"pull-{uuid.uuid4().hex[:6]}"
+    # the pricing of before the default's tuning (docs/simulator.md, "After"): one running request
+    # on the holder already outweighs a pull, so one long request makes the holder "busy"
     config = AppConfig(engine="sim", replicas=2, policy="affinity-pull", redis_url=redis_server.url, key_prefix=prefix,
-                       default_max_tokens=16, max_model_len=2048, redis_timeout_s=1.0)
+                       default_max_tokens=16, max_model_len=2048, redis_timeout_s=1.0,
+                       policy_options={"miss_weight": 8.0, "copy_weight": 1.0})
     with side_app(stack, APP, config) as base:
         yield SimpleNamespace(url=base, keys=RedisKeys(prefix), redis=redis.Redis.from_url(redis_server.url, decode_responses=True))
 
