@@ -94,8 +94,11 @@ def test_no_hit_across_adapters_a_hit_under_one_and_routing_by_adapter_prefix(lo
     first = complete(lora_app, "tutor", session, prompt)
     assert cached(first) == 0
     home = first.headers["x-prefixgate-replica"]
-    deadline = time.monotonic() + 60  # the replica publishes its new blocks asynchronously: wait for them
-    while client.scard(keys.blocks(home)) <= held.get(home.encode(), 0):
+    # the replica publishes its new blocks asynchronously: wait until all the prompt's full blocks
+    # but the last are in the index (what the next request's match needs), not merely the first
+    blocks = first.json()["usage"]["prompt_tokens"] // 16 - 1
+    deadline = time.monotonic() + 60  # a hang guard only
+    while client.scard(keys.blocks(home)) < held.get(home.encode(), 0) + blocks:
         assert time.monotonic() < deadline, "the first request's blocks never reached the index"
         time.sleep(0.1)
     assert cached(complete(lora_app, "poet", session, prompt)) == 0  # same replica (session), other adapter

@@ -68,8 +68,10 @@ class LocalBackend:
     async def _generate_adapter(self, adapter: AdapterRef, prompt_token_ids, params, request_id, cache_salt,
                                 extra: dict) -> AsyncIterator[RequestOutput]:
         """Under a LoRA adapter, read from its directory first if this replica lacks it (one
-        loaded at run time, or on a replica started since)."""
-        await self.engine.submit(lambda engine: serve_adapter(engine, adapter))
+        loaded at run time, or on a replica started since). An adapter already served costs no
+        round trip to the step thread (a dict read; the add re-checks there)."""
+        if self.engine.engine.adapters.get(adapter.name) != adapter:
+            await self.engine.submit(lambda engine: serve_adapter(engine, adapter))
         stream = self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
                                       adapter=adapter.name, **extra)
         async with contextlib.aclosing(stream) as outputs:
