@@ -205,6 +205,17 @@ class Gateway:
 
     # ---- plumbing -------------------------------------------------------------------------
     async def _parse(self, request: Request, schema):
+        data = await self._json_object(request)
+        try:
+            body = schema.model_validate(data)
+        except ValidationError as e:
+            raise bad_request(_describe(e.errors())) from None
+        except RecursionError:
+            raise bad_request("request body is nested too deeply") from None
+        return body
+
+    async def _json_object(self, request: Request) -> dict:
+        """The body as a JSON object: 413 past max_body_bytes, 400 for anything else."""
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.config.max_body_bytes:
             raise APIError(413, f"request body over {self.config.max_body_bytes} bytes", code="body_too_large")
@@ -219,13 +230,7 @@ class Gateway:
             raise bad_request("request body is not valid JSON in UTF-8") from None
         if not isinstance(data, dict):
             raise bad_request("request body must be a JSON object")
-        try:
-            body = schema.model_validate(data)
-        except ValidationError as e:
-            raise bad_request(_describe(e.errors())) from None
-        except RecursionError:
-            raise bad_request("request body is nested too deeply") from None
-        return body
+        return data
 
     async def _adapter(self, model: str) -> AdapterRef | None:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for neither."""
@@ -427,16 +432,6 @@ class Gateway:
         if not await self.adapters.remove(name):
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="model_not_found")
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
-
-    async def _json_object(self, request: Request) -> dict:
-        raw = await request.body()
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (ValueError, RecursionError):
-            raise bad_request("request body is not valid JSON in UTF-8") from None
-        if not isinstance(data, dict):
-            raise bad_request("request body must be a JSON object")
-        return data
 
     @app.get("/health")
     @app.get("/health/ready")
