@@ -1,5 +1,5 @@
 """Builds the Ray Serve application: Gateway x K (ingress, each with its own router) ->
-PrefixCacheReplica x N, with the request router chosen by policy name (router/registry.py).
+PrefixCacheReplica x N per model, with the request router chosen by policy name (router/registry.py).
 
 Nothing imported here loads torch: the replica deployment imports its engine when a replica
 starts, and a simulated-compute replica (engine "sim") never imports it at all. A vLLM
@@ -9,7 +9,7 @@ so vLLM's pins never meet ours (docs/vllm.md).
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -23,7 +23,6 @@ from replica.backends.vllm_settings import (
     VllmSettings,
     vllm_python,
 )
-from replica.default_model import DEFAULT_MODEL_NAME
 from replica.engine_config import EngineConfig
 from replica.serve.deployment import PrefixCacheReplica
 from replica.serve.replica_settings import ReplicaSettings
@@ -71,8 +70,31 @@ def engine_config(config: AppConfig, model_id: str) -> EngineConfig:
 
 def build_app(config: AppConfig) -> serve.Application:
     """Each process resolves the model itself (the bundled default is converted on first use on
-    each node), so the app builds anywhere; `prefixgate serve` converts it up front."""
-    model_id = config.model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
+    each node), so the app builds anywhere; `prefixgate serve` converts it up front. One replica
+    deployment per model (`models`), all behind the one gateway deployment."""
+    if config.gateways < 1:
+        raise ValueError(f"gateways must be at least 1, got {config.gateways}")
+    several = len(config.models) > 1
+    replicas = {cfg.served_name: replica_deployment(cfg, deployment_name(cfg.served_name) if several else REPLICA_NAME)
+                for cfg in config.model_configs()}
+    gateway_actor = {"num_cpus": config.gateway_num_cpus}
+    if config.gateway_resources:
+        gateway_actor["resources"] = dict(config.gateway_resources)
+    gateway = Gateway.options(num_replicas=config.gateways, ray_actor_options=gateway_actor, max_ongoing_requests=1000)
+    return gateway.bind(replicas, config.to_dict())
+
+
+REPLICA_NAME = "PrefixCacheReplica"  # the replica deployment's name (one model: as it always was)
+
+
+def deployment_name(model: str) -> str:
+    """A model's replica deployment when several are served: Serve names take no slashes."""
+    return f"{REPLICA_NAME}-{re.sub(r'[^A-Za-z0-9_.-]', '_', model)}"
+
+
+def replica_deployment(config: AppConfig, name: str) -> serve.Application:
+    """One model's replicas, bound to their settings, routed by the app's policy."""
+    model_id = config.served_name
     settings = replica_settings(config, model_id)
     if settings.sim is not None:
         actor_options = {"num_cpus": config.sim_replica_num_cpus}
@@ -83,7 +105,7 @@ def build_app(config: AppConfig) -> serve.Application:
     if config.replica_resources:
         actor_options["resources"] = dict(config.replica_resources)
     options = dict(
-        name="PrefixCacheReplica",
+        name=name,
         num_replicas=config.replicas,
         ray_actor_options=actor_options,
         # flow control keeps each gateway's own sends to replicas x max_ongoing_requests; the one
@@ -100,15 +122,7 @@ def build_app(config: AppConfig) -> serve.Application:
     rc = router_config(config, model_id)
     if rc is not None:
         options["request_router_config"] = rc
-    replica = serve.deployment(PrefixCacheReplica, **options)
-    gateway_actor = {"num_cpus": config.gateway_num_cpus}
-    if config.gateway_resources:
-        gateway_actor["resources"] = dict(config.gateway_resources)
-    if config.gateways < 1:
-        raise ValueError(f"gateways must be at least 1, got {config.gateways}")
-    gateway = Gateway.options(num_replicas=config.gateways, ray_actor_options=gateway_actor, max_ongoing_requests=1000)
-    app_settings = {**config.to_dict(), "model_name": model_id}
-    return gateway.bind(replica.bind(settings.to_dict()), app_settings)
+    return serve.deployment(PrefixCacheReplica, **options).bind(settings.to_dict())
 
 
 def replica_settings(config: AppConfig, model_id: str) -> ReplicaSettings:

@@ -61,8 +61,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
         stack = LocalStack(config, port=args.port, host=args.host, ray_address=args.ray_address,
                            metrics_port=args.metrics_port)
-        resolve_model(config.model)  # convert the bundled model once, before replicas start
-        print(f"[prefixgate] starting: {config.replicas} {config.engine} replicas, {config.gateways} gateway(s), "
+        models = config.model_configs()
+        for model in models:
+            resolve_model(model.model)  # convert the bundled model once, before replicas start
+        replicas = ", ".join(f"{m.replicas} {m.engine} replicas" + (f" of {m.served_name}" if len(models) > 1 else "")
+                             for m in models)
+        print(f"[prefixgate] starting: {replicas}, {config.gateways} gateway(s), "
               f"policy {config.policy}, port {args.port}", flush=True)
         if args.ray_address and args.metrics_port:
             print("[prefixgate] --metrics-port is ignored with --ray-address: each node exports at the port "

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from replica.backends.engine_protocol import ENGINE_NAMES
@@ -45,13 +46,20 @@ def setting(default: Any = MISSING, *, help: str, factory: Any = None, flag: str
 
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")  # what our engine loads a model in
+# what one entry of `models` may set: its name and directory, and the settings of its replicas
+# (the rest of the app's settings apply to every model alike)
+MODEL_KEYS = ("name", "path", "replicas", "engine", "lora_adapters", "autoscaling", "block_size", "num_blocks",
+              "kv_cache_mb", "max_model_len", "max_num_seqs")
 
 
 @dataclass
 class AppConfig:
     # the model and its replicas
-    model: str | None = setting(None, help="local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
+    model: str | None = setting(None, cli="model", help="local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct); "
+                                "NAME=PATH, repeatable: several models behind one gateway (`models`)")
     model_name: str | None = setting(None, help="served model name and block-hash identity (default: the directory name)")
+    models: list[dict] = setting(factory=list, cli="none", help="several models behind one gateway, each its own replicas, "
+                                 f"router state and index keys: [{{name, path, {', '.join(MODEL_KEYS[2:])}}}] (docs/models.md)")
     engine: str = setting("model", choices=tuple(ENGINE_NAMES), help="model: our engine; sim: real cache, scheduler and publisher, modelled "
                                         "compute, no torch; vllm: vLLM's engine in each replica (docs/vllm.md)")
     replicas: int = setting(2, help="replica count (replaced by `autoscaling` when that is set)")
@@ -165,6 +173,7 @@ class AppConfig:
         self.policy = resolve(self.policy)  # unknown: ValueError listing the valid names
         if self.engine not in ENGINE_NAMES:
             raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINE_NAMES)}")
+        self._block_size_defaulted = self.block_size is None
         if self.block_size is None:
             from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE
 
@@ -191,6 +200,7 @@ class AppConfig:
             raise ValueError(f"compile is our engine's compiled forward; engine {self.engine} has none "
                              "(vLLM's own: --vllm enforce_eager=false)")
         self.check_lora()
+        self.check_models()
         from gateway.flow.keys import parse_keys
 
         parse_keys(self.api_keys)  # the key file's format and fields (ValueError naming the key and field)
@@ -227,6 +237,59 @@ class AppConfig:
             adapter_ref(name, path)
             if name == self.model_name:
                 raise ValueError(f"lora {name!r}: an adapter cannot have the model's own name")
+
+    @property
+    def served_name(self) -> str:
+        """The name requests give in `model`, and the model's block-hash identity."""
+        if self.model_name:
+            return self.model_name
+        if self.model:
+            return Path(self.model).name
+        from replica.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+
+    def check_models(self) -> None:
+        """`models` entries: known keys, a unique name each, no adapter named like a model; each
+        model's own settings checked as its replicas get them (model_configs)."""
+        if not self.models:
+            return
+        if self.model is not None or self.model_name is not None or self.lora:
+            raise ValueError("with `models`, give each model's path and adapters in its entry "
+                             "(model, model_name and lora are for one model)")
+        names: set[str] = set()
+        for i, spec in enumerate(self.models):
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+                raise ValueError(f"models[{i}]: expected an object with a non-empty string `name`, got {spec!r}")
+            unknown = set(spec) - set(MODEL_KEYS)
+            if unknown:
+                raise ValueError(f"models[{i}] ({spec['name']}): unknown keys {sorted(unknown)}; valid: {list(MODEL_KEYS)}")
+            if spec["name"] in names:
+                raise ValueError(f"models: {spec['name']!r} named twice")
+            names.add(spec["name"])
+        for cfg in self.model_configs():
+            clash = names & set(cfg.lora)
+            if clash:
+                raise ValueError(f"models: adapter {sorted(clash)[0]!r} of {cfg.model_name} has a model's name")
+            names |= set(cfg.lora)  # adapter names are unique across models: a request's `model` finds one
+
+    def model_configs(self) -> list[AppConfig]:
+        """One config per served model: the app's settings, with the model's own from its `models`
+        entry, and Redis keys of its own (its index, sessions, heartbeats and adapters)."""
+        if not self.models:
+            return [self]
+        out = []
+        for spec in self.models:
+            own = {k: v for k, v in spec.items() if k not in ("name", "path", "lora_adapters")}
+            if "engine" in own and "block_size" not in own and self._block_size_defaulted:
+                own["block_size"] = None  # the model's engine picks its default
+            try:
+                out.append(replace(self, models=[], model=spec.get("path"), model_name=spec["name"],
+                                   lora=dict(spec.get("lora_adapters") or {}),
+                                   key_prefix=f"{self.key_prefix}:m:{spec['name']}", **own))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"models ({spec['name']}): {e}") from None
+        return out
 
     def router_options(self, model_id: str) -> RouterOptions:
         """What each gateway's router is built from (every RouterOptions field has a setting here)."""

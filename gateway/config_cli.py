@@ -73,7 +73,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         kind, optional = _base_type(f.type)
         default = getattr(defaults, f.name)
         text = f.metadata.get("help", "")
-        if cli == "json-file":
+        if cli == "model":  # PATH once, or NAME=PATH per model (config_values)
+            p.add_argument(_flag(f), dest=f.name, action="append", metavar="PATH|NAME=PATH", default=argparse.SUPPRESS,
+                           help=f"{text} (repeatable)")
+        elif cli == "json-file":
             p.add_argument(_flag(f), dest=f.name, metavar="FILE", default=argparse.SUPPRESS, help=text)
         elif kind is dict:
             p.add_argument(_flag(f), dest=f.name, type=_dict_item, action="append", metavar="KEY=VALUE|JSON",
@@ -85,6 +88,19 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                            choices=choices, metavar="NAME" if choices else kind.__name__.upper(), help=text + shown)
 
 
+def _models(values: list[str]) -> dict[str, Any]:
+    """`--model PATH` (one model, as always) or `--model NAME=PATH` per model (`models`)."""
+    if len(values) == 1 and "=" not in values[0]:
+        return {"model": values[0]}
+    models = []
+    for text in values:
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--model: with several models each is NAME=PATH, got {text!r}")
+        models.append({"name": name, "path": path})
+    return {"models": models}
+
+
 def config_values(args: argparse.Namespace) -> dict[str, Any]:
     """The AppConfig fields the command line set (the flags above that were given)."""
     out: dict[str, Any] = {}
@@ -92,6 +108,9 @@ def config_values(args: argparse.Namespace) -> dict[str, Any]:
         if not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
+        if f.metadata.get("cli") == "model":
+            out.update(_models(value))
+            continue
         if f.metadata.get("cli") == "json-file":
             with open(value) as fh:
                 value = json.load(fh)

@@ -39,12 +39,17 @@ async def check_redis(gw) -> str | None:
     return f"redis unreachable at {redact(url)}: {type(error).__name__}: {error}"
 
 
-async def check_replicas(gw) -> str | None:
-    try:
-        await asyncio.wait_for(gw.replicas.info.remote(), 5.0)
-        return None
-    except Exception as e:
-        return f"no replica answered: {type(e).__name__}: {e}"
+async def check_replicas(gw) -> dict[str, str | None]:
+    """Per served model: None when one of its replicas answers, else why not."""
+    async def ask(served) -> str | None:
+        try:
+            await asyncio.wait_for(served.replicas.info.remote(), 5.0)
+            return None
+        except Exception as e:
+            return f"no replica of {served.name} answered: {type(e).__name__}: {e}"
+
+    answers = await asyncio.gather(*(ask(s) for s in gw.served.values()))
+    return dict(zip(gw.served, answers, strict=True))
 
 
 def serve_problems(app_name: str | None = None) -> list[str]:
@@ -85,10 +90,10 @@ async def readiness(gw, app_name: str | None = None) -> tuple[bool, dict]:
         checks["redis"] = "ok" if redis_problem is None else "unreachable"
         if redis_problem:
             causes.append(redis_problem)
-    replica_problem = await check_replicas(gw)
-    checks["replicas"] = "ok" if replica_problem is None else "unavailable"
-    if replica_problem:
-        causes.append(replica_problem)
+    replica_problems = await check_replicas(gw)
+    down = [problem for problem in replica_problems.values() if problem]
+    checks["replicas"] = "ok" if not down else ("unavailable" if len(down) == len(replica_problems) else "degraded")
+    causes += down
     try:
         serve_view = await asyncio.wait_for(asyncio.to_thread(serve_problems, app_name), 5.0)
     except Exception as e:  # the controller is busy or away: say so, do not fail on it alone
@@ -97,13 +102,13 @@ async def readiness(gw, app_name: str | None = None) -> tuple[bool, dict]:
     else:
         checks["serve"] = "ok" if not serve_view else "degraded"
     causes += serve_view
-    ready = checks["replicas"] == "ok"  # a degraded deployment whose replica still answers serves
+    ready = checks["replicas"] != "unavailable"  # serves while one model's replica answers (a degraded deployment's too)
     status = "unavailable" if not ready else ("ok" if all(v == "ok" for v in checks.values()) else "degraded")
     routing = "index" if checks.get("redis", "ok") == "ok" else "local"
     body = {"status": status, "routing": routing, "checks": checks, "causes": causes}
-    flow = getattr(gw, "flow", None)
-    if flow is not None:
-        body["queued"] = flow.depth()  # requests waiting in this gateway's queue (gateway/flow/)
+    if len(gw.served) > 1:
+        body["models"] = {name: "ok" if problem is None else "unavailable" for name, problem in replica_problems.items()}
+    body["queued"] = sum(s.flow.depth() for s in gw.served.values())  # waiting in this gateway's queues (gateway/flow/)
     limits = rate_limit_mode(gw, checks)
     if limits is not None:  # tenants with rpm/tpm: "shared" (Redis) or "local" (this gateway's share)
         body["rate_limits"] = limits

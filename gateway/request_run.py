@@ -17,8 +17,8 @@ from router.protocol.messages import DeltaChunk, EndChunk, ErrorChunk, StartChun
 class RequestRun:
     """One admitted request: its n replica streams and the bookkeeping around them."""
 
-    def __init__(self, gw, body, streams, chat: bool, arrival: float, prompt_tokens: int) -> None:
-        self.gw, self.body, self.streams, self.chat, self.arrival = gw, body, streams, chat, arrival
+    def __init__(self, gw, model, body, streams, chat: bool, arrival: float, prompt_tokens: int) -> None:
+        self.gw, self.model, self.body, self.streams, self.chat, self.arrival = gw, model, body, streams, chat, arrival
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
@@ -40,7 +40,7 @@ class RequestRun:
             self.first.append(head)
         self._mark_first_token()
         reason = (self.route or {}).get("reason") or (self.gw.config.policy if self.route is None else "unknown")
-        m.ROUTES.labels(self.replica or "unknown", reason).inc()
+        m.ROUTES.labels(self.model.name, self.replica or "unknown", reason).inc()
         return {"x-prefixgate-replica": self.replica or "unknown", "x-prefixgate-route": reason}
 
     async def _head(self, index: int) -> list:
@@ -58,7 +58,7 @@ class RequestRun:
     def _mark_first_token(self) -> None:
         if not self._first_token_seen:
             self._first_token_seen = True
-            m.TTFT.observe(time.monotonic() - self.arrival)
+            m.TTFT.labels(self.model.name).observe(time.monotonic() - self.arrival)
 
     async def _chunks(self, index: int) -> AsyncIterator[dict]:
         for chunk in self.first[index]:
@@ -129,7 +129,7 @@ class RequestRun:
                 self._account(i, chunk)
             elif isinstance(chunk, ErrorChunk):
                 raise _error(chunk)
-        m.E2E.observe(time.monotonic() - self.arrival)
+        m.E2E.labels(self.model.name).observe(time.monotonic() - self.arrival)
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r,
                         "logprobs": self.logprobs.whole(i)}
@@ -178,7 +178,7 @@ class RequestRun:
                     break
             if include_usage and len(self.ends) == len(self.streams):
                 yield self._sse([], usage=self.usage())
-            m.E2E.observe(time.monotonic() - self.arrival)
+            m.E2E.labels(self.model.name).observe(time.monotonic() - self.arrival)
             yield "data: [DONE]\n\n"
         finally:
             self.close()
@@ -186,7 +186,7 @@ class RequestRun:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.gw.in_flight -= len(self.streams)
+            self.model.flow.finished(len(self.streams))
             m.IN_FLIGHT.set(self.gw.in_flight)
             for s in self.streams:
                 asyncio.ensure_future(s.aclose())

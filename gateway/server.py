@@ -28,19 +28,17 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics as m
-from gateway.adapters import AdapterRegistry
 from gateway.config import AppConfig
 from gateway.errors import APIError, bad_request, http_error
-from gateway.flow.admission import FlowController, Ticket
+from gateway.flow.admission import Ticket
 from gateway.flow.keys import KeySpec, TenantSpec, parse_keys
 from gateway.flow.rate_limit import RateLimiter
-from gateway.flow.saturation import Capacity, HeartbeatReader
 from gateway.flow.tiers import request_tier
 from gateway.health import readiness
 from gateway.migration import MigrationPolicy, ResilientStream
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest, routing_session
 from gateway.request_run import RequestRun
-from gateway.tokenization import PromptBuilder
+from gateway.served_model import ServedModel
 from router.protocol.lora import AdapterError, AdapterRef, adapter_ref
 from router.protocol.messages import GenerateRequest
 from router.protocol.redis_schema import RedisKeys
@@ -122,7 +120,7 @@ class _FlowRun(RequestRun):
 
     def close(self) -> None:
         if not self._closed and self.ticket is not None:
-            self.gw.flow.done(self.ticket)
+            self.model.flow.done(self.ticket)
         super().close()
 
 
@@ -153,55 +151,30 @@ def _app_deleting() -> bool:
 @serve.deployment
 @serve.ingress(app)
 class Gateway:
-    def __init__(self, replicas: DeploymentHandle, config: dict) -> None:
+    def __init__(self, replicas: dict[str, DeploymentHandle], config: dict) -> None:
         self.config = AppConfig.from_dict(config)
-        self.replicas = replicas
-        self.prompts = PromptBuilder(self.config)
-        self.model_name = self.prompts.model_name
         self.keys = parse_keys(self.config.api_keys)
-        most = (self.config.autoscaling or {}).get("max_replicas", self.config.replicas)
-        self.capacity = most * self.config.max_ongoing_requests + self.config.max_queued_requests
-        self.flow = self._flow_controller(most)  # the model's queue (one model per gateway)
+        # every model of the app: its replicas, tokenizer, queue and adapters (gateway/served_model.py)
+        self.served = {cfg.served_name: ServedModel(cfg, replicas[cfg.served_name], self.keys, _app_deleting,
+                                                    self.config.gateways)
+                       for cfg in self.config.model_configs()}
         keys = RedisKeys(self.config.key_prefix, self.config.index_buckets)
-        static = {name: adapter_ref(name, path) for name, path in self.config.lora.items()}
-        self.adapters = AdapterRegistry(static, self.config.redis_url, keys.lora_adapters)
         self.limiter = RateLimiter(self.config.redis_url, keys, share=1 / max(self.config.gateways, 1))
         m.start(self)  # Ray metrics: rare-event counters at 0, in-flight gauge kept fresh
-        self.flow.start()  # its gauges at 0 from the start, when constructed on the event loop
+        for model in self.served.values():
+            model.flow.start()  # its gauges at 0 from the start, when constructed on the event loop
         self._redis = None
-
-    def _flow_controller(self, most: int) -> FlowController:
-        c = self.config
-        prefill = c.flow_prefill_tokens or 2 * c.max_num_batched_tokens
-        # flow control off: the old bound (replicas x max_ongoing_requests + max_queued_requests in flight)
-        seats = most * c.max_ongoing_requests if c.flow_control else self.capacity
-        reader = None
-        if c.flow_control and c.redis_url:
-            reader = HeartbeatReader(c.redis_url, RedisKeys(c.key_prefix, c.index_buckets), c.load_refresh_s)
-        tenants = self.keys.tenants
-        return FlowController(
-            Capacity(seats, prefill, c.flow_replica_waiting, c.flow_kv_free_min, shared=c.gateways > 1,
-                     headroom=c.replicas if c.flow_control else 0),  # one seat more per replica: gateway/app.py
-            c.max_queued_requests,
-            {"priority": c.queue_wait_priority_s, "default": c.queue_wait_default_s, "flex": c.queue_wait_flex_s},
-            c.replicas, weight=lambda flow: tenants[flow].weight if flow in tenants else 1.0, reader=reader,
-            tenants=tuple(tenants) or ("anonymous",), shutting_down=_app_deleting, enabled=c.flow_control,
-        )
 
     @property
     def in_flight(self) -> int:
-        """Requests sent to replicas and not finished (RequestRun.close lowers it: seats free)."""
-        return self.flow.ledger.in_flight
-
-    @in_flight.setter
-    def in_flight(self, value: int) -> None:
-        self.flow.set_in_flight(value)
+        """Requests sent to replicas and not finished, every model's (RequestRun.close lowers it)."""
+        return sum(model.flow.ledger.in_flight for model in self.served.values())
 
     async def __del__(self) -> None:
         """Serve stops this gateway: nothing queued here waits for a replica any more (503)."""
-        await self.flow.aclose()
+        for model in self.served.values():
+            await model.aclose()
         await self.limiter.close()
-        await self.adapters.close()
 
     # ---- plumbing -------------------------------------------------------------------------
     async def _parse(self, request: Request, schema):
@@ -232,16 +205,19 @@ class Gateway:
             raise bad_request("request body must be a JSON object")
         return data
 
-    async def _adapter(self, model: str) -> AdapterRef | None:
-        """The LoRA adapter a request's `model` names (None: the base model); 404 for neither."""
-        if model == self.model_name:
-            return None
-        ref = await self.adapters.resolve(model) if self.config.lora_enabled else None
-        if ref is None:
-            served = ", ".join([self.model_name, *sorted(self.adapters.known())])
-            raise APIError(404, f"The model `{model}` does not exist. Served: {served}", param="model",
-                           code="model_not_found")
-        return ref
+    async def _model(self, name: str) -> tuple[ServedModel, AdapterRef | None]:
+        """The served model a request's `model` names, and the LoRA adapter when it names one of
+        that model's; 404 `model_not_found` for neither."""
+        served = self.served.get(name)
+        if served is not None:
+            return served, None
+        for served in self.served.values():
+            ref = await served.adapters.resolve(name) if served.config.lora_enabled else None
+            if ref is not None:
+                return served, ref
+        names = [n for s in self.served.values() for n in (s.name, *sorted(s.adapters.known()))]
+        raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(names)}", param="model",
+                       code="model_not_found")
 
     def _key(self, request: Request) -> KeySpec | None:
         """The request's API key (None when the app has none configured); 401 for a wrong one."""
@@ -273,15 +249,15 @@ class Gateway:
             message = f"Rate limit reached for {tenant.name} on {unit}: Limit {verdict.limit}. Please try again in {wait_s:.3g}s."
         raise APIError(429, message, kind, code="rate_limit_exceeded", headers=headers)
 
-    def _replica_stream(self, req: GenerateRequest) -> AsyncIterator[dict]:
-        """Chunks of one request; retried or continued on another replica whenever one fails
-        (see gateway/migration.py)."""
-        handle = self.replicas.options(stream=True, **({"session_id": req.session_id} if req.session_id else {}))
+    def _replica_stream(self, served: ServedModel, req: GenerateRequest) -> AsyncIterator[dict]:
+        """Chunks of one request; retried or continued on another replica of its model whenever
+        one fails (see gateway/migration.py)."""
+        handle = served.replicas.options(stream=True, **({"session_id": req.session_id} if req.session_id else {}))
         policy = MigrationPolicy(self.config.retry_attempts, self.config.retry_budget_s,
                                  stall_timeout_s=self.config.stall_timeout_s)
         return ResilientStream(handle.generate.remote, req, policy, RETRYABLE).__aiter__()
 
-    def _generate(self, body, prompt_ids: list[int], prompt_text: str, session: str | None,
+    def _generate(self, served: ServedModel, body, prompt_ids: list[int], prompt_text: str, session: str | None,
                   tenant: str | None, max_tokens: int, adapter: AdapterRef | None) -> list[AsyncIterator[dict]]:
         """The request's n replica streams, not started: nothing reaches a replica before one is read."""
         streams = []
@@ -304,7 +280,7 @@ class Gateway:
                 raise bad_request(str(e), param=e.param) from None
             req = GenerateRequest(prompt_token_ids=list(prompt_ids), params=sampling, prompt=prompt_text,
                                   session_id=session, cache_salt=tenant, adapter=adapter)
-            streams.append(self._replica_stream(req))
+            streams.append(self._replica_stream(served, req))
         return streams
 
     # ---- endpoints ------------------------------------------------------------------------
@@ -320,51 +296,54 @@ class Gateway:
         endpoint = "chat" if chat else "completions"
         arrival = time.monotonic()
         limit_headers: dict[str, str] = {}
+        label = "none"  # the model_name of its metrics: a served model's, once it names one
         try:
             key = self._key(request)
             tenant = key.tenant if key is not None else None
             body = await self._parse(request, schema)
-            adapter = await self._adapter(body.model)
+            served, adapter = await self._model(body.model)
+            label = served.name
             tier = request_tier(body.service_tier, body.priority, *((key.service_tier, key.max_service_tier) if key else ()))
-            await self.prompts.ready(self.replicas)  # model facts from a replica, once
+            prompts = served.prompts
+            await prompts.ready(served.replicas)  # model facts from a replica, once
             if chat:
-                prompt_ids, prompt_text = self.prompts.chat(body)
+                prompt_ids, prompt_text = prompts.chat(body)
             else:
-                prompt_ids, prompt_text = self.prompts.completion(body)
+                prompt_ids, prompt_text = prompts.completion(body)
             # the routing session key: x-session-id > prompt_cache_key (OpenAI's field for it) > user
             session = routing_session(request.headers.get("x-session-id"), body)
             if session and tenant:
                 session = f"{tenant}/{session}"  # one tenant cannot steer another's sessions
-            max_tokens = self.prompts.check_length(prompt_ids, body.requested_max_tokens())
-            streams = self._generate(body, prompt_ids, prompt_text, session, tenant, max_tokens, adapter)
+            max_tokens = prompts.check_length(prompt_ids, body.requested_max_tokens())
+            streams = self._generate(served, body, prompt_ids, prompt_text, session, tenant, max_tokens, adapter)
             cost = len(prompt_ids) + body.n * max_tokens  # tokens: the prompt and the most it may produce
             if key is not None:
                 limit_headers = await self._limit(self.keys.tenants[tenant], cost)
             ticket = Ticket(tier, tenant, cost, body.n, len(prompt_ids), arrival)
-            await self.flow.acquire(ticket)  # waits while the replicas are saturated
+            await served.flow.acquire(ticket)  # waits while the model's replicas are saturated
         except APIError as e:
             e.headers = {**limit_headers, **e.headers}
-            m.REQUESTS.labels(endpoint, str(e.status)).inc()
+            m.REQUESTS.labels(label, endpoint, str(e.status)).inc()
             raise
         m.IN_FLIGHT.set(self.in_flight)
-        run = _FlowRun(self, body, streams, chat, arrival, len(prompt_ids))
+        run = _FlowRun(self, served, body, streams, chat, arrival, len(prompt_ids))
         run.ticket = ticket
         try:
             headers = await asyncio.wait_for(run.start(), self.config.first_token_timeout_s)
         except TimeoutError:
             run.close()
-            m.REQUESTS.labels(endpoint, "504").inc()
+            m.REQUESTS.labels(label, endpoint, "504").inc()
             raise APIError(504, "no replica started this request in time", "server_error", code="timeout") from None
         except APIError as e:
             run.close()
-            m.REQUESTS.labels(endpoint, str(e.status)).inc()
+            m.REQUESTS.labels(label, endpoint, str(e.status)).inc()
             raise
         except BaseException:
             run.close()
             raise
         finally:
-            self.flow.started(ticket)  # its prompt is no longer pending prefill
-        m.REQUESTS.labels(endpoint, "200").inc()
+            served.flow.started(ticket)  # its prompt is no longer pending prefill
+        m.REQUESTS.labels(label, endpoint, "200").inc()
         headers |= limit_headers
         if body.stream:
             return StreamingResponse(_with_tier(run.sse(), tier), media_type="text/event-stream", headers=headers)
@@ -377,17 +356,14 @@ class Gateway:
 
     @app.get("/v1/models")
     async def models(self, request: Request):
-        """The base model and every adapter, as vLLM lists them (an adapter's parent is the model)."""
+        """Every model and every adapter, as vLLM lists them (an adapter's parent is its model)."""
         self._key(request)
-        await self.adapters.refresh()
-        await self.prompts.ready(self.replicas)  # max_model_len from a replica, once
-        limit = self.prompts.max_model_len
-        base = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "prefixgate",
-                "root": self.config.model or self.model_name, "parent": None, "max_model_len": limit}
-        adapters = [{"id": ref.name, "object": "model", "created": 0, "owned_by": "prefixgate", "root": ref.path,
-                     "parent": self.model_name, "max_model_len": limit}
-                    for ref in sorted(self.adapters.known().values(), key=lambda r: r.name)]
-        return {"object": "list", "data": [base, *adapters]}
+        data = []
+        for served in self.served.values():
+            await served.adapters.refresh()
+            await served.prompts.ready(served.replicas)  # max_model_len from a replica, once
+            data += served.card()
+        return {"object": "list", "data": data}
 
     # ---- LoRA adapters at run time (vLLM's admin endpoints) -------------------------------
     def _admin(self, request: Request) -> None:
@@ -408,17 +384,35 @@ class Gateway:
         name, path = data.get("lora_name"), data.get("lora_path")
         if not isinstance(name, str) or not isinstance(path, str):
             raise bad_request("lora_name and lora_path are required strings", param="lora_name")
-        if name == self.model_name or name in self.adapters.static:
-            raise bad_request(f"{name!r} is the model or an adapter configured at start", param="lora_name")
+        served = self._base_model(data.get("base_model_name"))
+        if name in self.served or any(name in s.adapters.static for s in self.served.values()):
+            raise bad_request(f"{name!r} is a model or an adapter configured at start", param="lora_name")
+        others = [s.name for s in self.served.values() if s is not served and name in s.adapters.known()]
+        if others:
+            raise bad_request(f"{name!r} is an adapter of {others[0]}; unload it there first", param="lora_name")
         try:
             ref = adapter_ref(name, path)
         except AdapterError as e:
             raise bad_request(str(e), param="lora_path") from None
-        refused = await self.replicas.options(stream=False).add_adapter.remote(ref)
+        refused = await served.replicas.options(stream=False).add_adapter.remote(ref)
         if refused is not None:
             raise bad_request(refused, param="lora_path")
-        await self.adapters.add(ref)
+        await served.adapters.add(ref)
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    def _base_model(self, name) -> ServedModel:
+        """The model an adapter loaded at run time belongs to: `base_model_name` (vLLM's word for it
+        in --lora-modules), which may be left out when one model is served."""
+        if name is None and len(self.served) == 1:
+            return next(iter(self.served.values()))
+        if name is None:
+            raise bad_request(f"base_model_name is required with several models: one of {', '.join(self.served)}",
+                              param="base_model_name")
+        served = self.served.get(name) if isinstance(name, str) else None
+        if served is None:
+            raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.served)}",
+                           param="base_model_name", code="model_not_found")
+        return served
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request):
@@ -427,9 +421,10 @@ class Gateway:
         name = data.get("lora_name")
         if not isinstance(name, str):
             raise bad_request("lora_name is a required string", param="lora_name")
-        if name in self.adapters.static:
+        if any(name in s.adapters.static for s in self.served.values()):
             raise bad_request(f"{name!r} was configured at start and cannot be unloaded", param="lora_name")
-        if not await self.adapters.remove(name):
+        removed = [await s.adapters.remove(name) for s in self.served.values()]
+        if not any(removed):
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="model_not_found")
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 

@@ -53,7 +53,7 @@ def test_every_setting_is_a_flag_and_a_flag_sets_it(tmp_path):
     p = argparse.ArgumentParser()
     _serve_args(p)
     dests = {a.dest for a in p._actions}
-    assert {f.name for f in fields(AppConfig)} <= dests
+    assert {f.name for f in fields(AppConfig)} - {"models"} <= dests  # models: --model NAME=PATH (below)
 
 
 def test_bad_settings_are_refused_with_the_setting_named(capsys):
@@ -125,7 +125,9 @@ def _deployments(app):
     while todo:
         d = todo.pop()._bound_deployment
         seen.append(d)
-        todo += [a for a in (*d.init_args, *d.init_kwargs.values()) if hasattr(a, "_bound_deployment")]
+        args = [*d.init_args, *d.init_kwargs.values()]
+        args += [v for a in args if isinstance(a, dict) for v in a.values()]  # the gateway's {model: replicas}
+        todo += [a for a in args if hasattr(a, "_bound_deployment")]
     return seen
 
 
@@ -163,5 +165,50 @@ def test_lora_flags_and_config_keys_reach_the_engine(tmp_path):
     for bad, says in [({"lora": {"x": str(tmp_path / "none")}}, "does not exist"),
                       ({"lora": {"bad name": str(adapter)}}, "must match"),
                       ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras >= max_loras")]:
+        with pytest.raises(ValueError, match=says):
+            AppConfig.from_dict(bad)
+
+
+def test_several_models_from_the_command_line_and_a_serve_config(tmp_path):
+    import yaml
+
+    from gateway.app import replica_settings
+
+    config = _parse("--model", "chat=/models/a", "--model", "code=/models/b", "--engine", "sim", "--replicas", "3")
+    assert config.models == [{"name": "chat", "path": "/models/a"}, {"name": "code", "path": "/models/b"}]
+    assert [(c.served_name, c.model, c.replicas, c.engine) for c in config.model_configs()] == [
+        ("chat", "/models/a", 3, "sim"), ("code", "/models/b", 3, "sim")]
+    assert _parse("--model", "/models/a").model == "/models/a" and not _parse("--model", "/models/a").models
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        _parse("--model", "chat=/models/a", "--model", "/models/b")
+    # a Serve config file: each model its replicas, engine, adapters and Redis keys
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    args = yaml.safe_load(f"""
+key_prefix: pg
+models:
+  - {{name: chat, path: /models/a, replicas: 2, lora_adapters: {{sql: {adapter}}}}}
+  - {{name: vl, path: /models/b, engine: vllm, replicas: 1, max_model_len: 2048}}
+""")
+    chat, vl = AppConfig.from_dict(args).model_configs()
+    assert (chat.replicas, chat.lora, chat.key_prefix, chat.block_size) == (2, {"sql": str(adapter)}, "pg:m:chat", 16)
+    assert (vl.engine, vl.block_size, vl.max_model_len, vl.key_prefix) == ("vllm", 32, 2048, "pg:m:vl")
+    settings = replica_settings(chat, chat.served_name)
+    assert settings.engine.model_id == "chat" and settings.key_prefix == "pg:m:chat" and settings.engine.lora
+    assert router_config(vl, vl.served_name).request_router_kwargs["key_prefix"] == "pg:m:vl"
+    from gateway.app import build_app
+
+    built = {d.name: d for d in _deployments(build_app(AppConfig.from_dict(args)))}
+    assert set(built) == {"Gateway", "PrefixCacheReplica-chat", "PrefixCacheReplica-vl"}
+    assert built["PrefixCacheReplica-chat"].num_replicas == 2 and built["PrefixCacheReplica-vl"].num_replicas == 1
+    assert ReplicaSettings.from_dict(built["PrefixCacheReplica-vl"].init_args[0]).vllm is not None
+    for bad, says in [({"models": [{"name": "a", "gpu": 1}]}, "unknown keys"),
+                      ({"models": [{"name": "a"}, {"name": "a"}]}, "named twice"),
+                      ({"models": [{"path": "/x"}]}, "non-empty string `name`"),
+                      ({"models": [{"name": "a"}], "model": "/x"}, "with `models`"),
+                      ({"models": [{"name": "a"}, {"name": "b", "lora_adapters": {"a": str(adapter)}}]}, "has a model's name"),
+                      ({"models": [{"name": "a", "engine": "torch"}]}, "unknown engine")]:
         with pytest.raises(ValueError, match=says):
             AppConfig.from_dict(bad)

@@ -49,7 +49,7 @@ class FlowController:
     def __init__(self, capacity: Capacity, queue_size: int, max_wait_s: dict[str, float], replicas: int,
                  weight: Callable[[Flow], float] | None = None, reader: HeartbeatReader | None = None,
                  label: Callable[[Flow], str] | None = None, tenants: tuple[str, ...] = (),
-                 shutting_down: Callable[[], bool] | None = None, enabled: bool = True) -> None:
+                 shutting_down: Callable[[], bool] | None = None, enabled: bool = True, model: str = "") -> None:
         self.capacity, self.max_wait_s, self.replicas = capacity, dict(max_wait_s), replicas
         self.queue = FairQueue(queue_size, weight)
         self.ledger = Ledger()
@@ -62,6 +62,7 @@ class FlowController:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self.sent = 0
+        self.model = model  # the served model whose queue this is (its metrics' model_name)
 
     # ---- the request's side ------------------------------------------------------------------
     async def acquire(self, ticket: Ticket) -> None:
@@ -133,7 +134,7 @@ class FlowController:
         self.ledger.unstarted += 1
         self.ledger.add(ticket.flow, ticket.n, 1)
         self.sent += 1
-        m.QUEUE_WAIT.labels(ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
+        m.QUEUE_WAIT.labels(self.model, ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
 
     def _pump(self) -> None:
         """Send queued requests, best first, while there is room (never past the head: a big
@@ -158,7 +159,7 @@ class FlowController:
         if not fut.done():
             fut.set_exception(self._refusal(reason, ticket))
         if reason == "max_wait" or reason == "shutdown":
-            m.QUEUE_WAIT.labels(ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
+            m.QUEUE_WAIT.labels(self.model, ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
 
     def _refusal(self, reason: str, ticket: Ticket) -> APIError:
         self._count(reason)
@@ -229,7 +230,7 @@ class FlowController:
             depth[(TIERS[rank], self._label(flow))] += n
         for (tier, lab), n in depth.items():
             if n or lab != "other":
-                m.QUEUE_DEPTH.labels(tier, lab).set(n)
+                m.QUEUE_DEPTH.labels(self.model, tier, lab).set(n)
 
     def depth(self) -> int:
         return len(self.queue)
