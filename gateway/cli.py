@@ -124,6 +124,7 @@ BENCHES = {
     "router": ("loadtest.bench.router_bench", "the router's Redis index: lookup latency per fleet size"),
     "serving": ("loadtest.bench.serving_bench", "the serving path's ceiling: sim replicas at near-zero cost, streaming clients"),
     "lora": ("loadtest.bench.lora_bench", "LoRA decode: rows over several adapters against base-model rows"),
+    "lora-routing": ("loadtest.bench.lora_routing", "LoRA routing: adapter-aware against adapter-blind, live"),
 }
 
 

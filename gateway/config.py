@@ -109,6 +109,9 @@ class AppConfig:
     publish_depth: int = setting(_ROUTER.publish_depth, help="leading blocks of a prompt that are hashed, published and matched")
     session_ttl_s: int = setting(_ROUTER.session_ttl_s, help="how long a session's last replica is remembered (sliding)")
     load_refresh_s: float = setting(_ROUTER.load_refresh_s, help="each router re-reads the replicas' heartbeats this often")
+    lora_aware: bool = setting(_ROUTER.lora_aware, help="route a LoRA adapter's requests by its own prefixes and by which "
+                               "replicas hold it (false: as the base model's, as routers that do not know adapters "
+                               "do; a baseline for `prefixgate bench lora-routing`)")
     seed: int | None = setting(_ROUTER.seed, help="seed of the policies' random draws (None: unseeded)")
     # Redis and the index
     redis_url: str | None = setting("redis://127.0.0.1:6379/0", cli="none",
@@ -298,7 +301,7 @@ class AppConfig:
             block_size=self.block_size, publish_depth=self.publish_depth, redis_url=self.redis_url,
             key_prefix=self.key_prefix, redis_timeout_s=self.redis_timeout_s, session_ttl_s=self.session_ttl_s,
             seed=self.seed, sampled_replicas=self.sampled_replicas, index_buckets=self.index_buckets,
-            load_refresh_s=self.load_refresh_s,
+            load_refresh_s=self.load_refresh_s, lora_aware=self.lora_aware,
         )
 
     def to_dict(self) -> dict:

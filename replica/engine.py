@@ -167,6 +167,12 @@ class LLMEngine(EngineCore):
             raise InvalidRequestError(str(e)) from None
         super().add_adapter(ref)
 
+    def _lora_stats(self) -> dict:
+        stats = super()._lora_stats()
+        if self.lora_store is not None:
+            stats.update(lora_resident=list(self.lora_store.resident), lora_load_s=self.lora_store.read_s)
+        return stats
+
     def remove_adapter(self, name: str) -> None:
         ref = self.adapters.get(name)
         super().remove_adapter(name)

@@ -188,7 +188,7 @@ class Decider:
             scored.add(ids[0])
         unknown = self.loads.pessimistic()
         tiers = tiers or {}
-        views = [self._view(rid, matched.get(rid, 0), queue_len(rid) or 0, unknown, tiers.get(rid))
+        views = [self._view(rid, matched.get(rid, 0), queue_len(rid) or 0, unknown, tiers.get(rid), route.adapter)
                  for rid in sorted(scored)]
         decision = self.policy.decide(route, views, session_replica)
         ranked = [decision.replica_id]
@@ -202,10 +202,14 @@ class Decider:
             self.sessions.remember(routed.route.session_id, replica_id)
 
     def _view(self, rid: str, matched: int, local_queue: int, unknown: dict[str, int],
-              tiers: dict[str, int] | None = None) -> ReplicaView:
-        """`tiers`: the blocks of the match in each lower tier (the lookup's `tier_blocks`)."""
+              tiers: dict[str, int] | None = None, adapter: str | None = None) -> ReplicaView:
+        """`tiers`: the blocks of the match in each lower tier (the lookup's `tier_blocks`);
+        `adapter`: the request's LoRA adapter identity, looked up in the replica's residents."""
         tiers = tiers or {}
         hb = self.loads.get(rid)
+        resident, load_s = None, 0.0
+        if adapter is not None and hb is not None and hb.get("lora_load_ms"):  # a LoRA replica that reads from disk
+            resident, load_s = adapter in hb.get("lora_resident", "").split(), hb["lora_load_ms"] / 1000
         running = (hb or unknown).get("running", 0)
         if hb is None:
             # no heartbeat: unknown load, never idle; plus what this router sent there itself,
@@ -228,4 +232,6 @@ class Decider:
             cached_blocks=hb.get("cached_blocks", 0),
             capacity_blocks=hb.get("capacity_blocks", 0),
             kv_pull=bool(hb.get("kv_pull", 0)),  # no heartbeat: no pull hint either
+            adapter_resident=resident,
+            adapter_load_s=load_s,
         )

@@ -36,6 +36,10 @@ class ReplicaView:
     cached_blocks: int = 0
     capacity_blocks: int = 0
     kv_pull: bool = True  # it exports and imports K/V: a pull may name it (false for vLLM replicas)
+    # the request's LoRA adapter: True resident in its host memory, False to be read from disk
+    # first (taking `adapter_load_s`, as it measured), None: no adapter, or the replica says nothing
+    adapter_resident: bool | None = None
+    adapter_load_s: float = 0.0
 
     @property
     def device_blocks(self) -> int:
@@ -50,6 +54,7 @@ class RouteRequest:
     num_prompt_tokens: int
     block_size: int
     session_id: str | None = None
+    adapter: str | None = None  # the LoRA adapter's identity (router/protocol/lora.py), None: the base model
     # deepest leading-block match in a scored replica's device pool: what a pull could fetch
     # (set by pull-aware policies when they decide, read when they commit)
     fleet_matched: int = 0
@@ -144,9 +149,19 @@ class AffinityPolicy(Policy):
                 + pending_prefill_tokens(r)                  # queue ahead of it
                 + decode_weight * (running(r) + waiting(r))  # decode steps interleave with
                                                              # prefill chunks and slow it down
+                + adapter(r)                                 # LoRA: its adapter read from disk
         uncached(r) = num_prompt_tokens - matched_blocks(r) * block_size
         tiers(r) = transfer.tier_tokens_equiv(host, host_blocks(r) * block_size)
                  + transfer.tier_tokens_equiv(disk, disk_blocks(r) * block_size)
+        adapter(r) = adapter_weight * load_s(r) * prefill_tokens_per_s, where the request's adapter
+                     is not resident on r (its heartbeat's `lora_resident`), else 0
+
+    A replica that would read the request's adapter from disk first pays the read (its measured
+    time, in prefill-token equivalents at the calibrated prefill rate), times `adapter_weight`:
+    the read also evicts a resident adapter (least recently used), which another request then
+    reads back. Adapter residency and the prefix go together (an adapter's prompts are hashed
+    under its identity: docs/lora.md), so this term mostly breaks ties between replicas that hold
+    neither, toward the one that holds the adapter.
 
     A hit in the device pool is free; one in the replica's host or disk tier costs its copy
     back into the pool (`TransferModel.tier_s`, at rates `calibrate` sets from the fleet's
@@ -204,6 +219,7 @@ class AffinityPolicy(Policy):
         balance_tolerance: float = 0.05,
         balance_memory: float = 64.0,
         beyond_depth: float = 1.0,
+        adapter_weight: float = 2.0,
         transfer: TransferModel | None = None,
     ) -> None:
         super().__init__(seed=seed)
@@ -215,6 +231,7 @@ class AffinityPolicy(Policy):
         self.balance_tolerance = balance_tolerance
         self.balance_memory = balance_memory
         self.beyond_depth = beyond_depth
+        self.adapter_weight = adapter_weight
         self._recent: dict[str, float] = {}  # decayed prefill tokens routed, scaled by _growth
         self._growth = 1.0
 
@@ -272,8 +289,15 @@ class AffinityPolicy(Policy):
         usable, copy = self.own_hits(request, v)
         return self.miss_weight * max(request.num_prompt_tokens - usable * request.block_size, 0) + copy
 
+    def adapter_cost(self, request: RouteRequest, v: ReplicaView) -> float:
+        """Reading the request's LoRA adapter from disk on `v` first, in prefill-token equivalents."""
+        if request.adapter is None or v.adapter_resident is not False:
+            return 0.0
+        return self.adapter_weight * v.adapter_load_s * self.transfer.prefill_tokens_per_s
+
     def cost(self, request: RouteRequest, v: ReplicaView) -> float:
-        return self.prefix_cost(request, v) + v.pending_prefill_tokens + self.decode_weight * _queued(v)
+        return (self.prefix_cost(request, v) + v.pending_prefill_tokens + self.decode_weight * _queued(v)
+                + self.adapter_cost(request, v))
 
     def commit(self, request, replica_id, matched_blocks, fleet_size):
         uncached = request.num_prompt_tokens - self.beyond(request, matched_blocks) * request.block_size

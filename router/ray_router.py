@@ -81,8 +81,13 @@ class PrefixGateRouter(RequestRouter):
         self.routed = 0  # requests Ray reported as routed (on_request_routed)
         self._calibrated_at = -1  # load-table refresh the policy's copy prices were last set from
 
+    def _adapter(self, req: GenerateRequest) -> str | None:
+        """The identity the request's prompt is hashed and priced under (None: the base model's,
+        also for every request when lora_aware is off)."""
+        return req.adapter.identity if req.adapter is not None and self.options.lora_aware else None
+
     def _hashes(self, req: GenerateRequest) -> list[int]:
-        adapter = req.adapter.identity if req.adapter is not None else None
+        adapter = self._adapter(req)
         seed = self._seeds.get((req.cache_salt, adapter))
         if seed is None:
             seed = self._seeds[(req.cache_salt, adapter)] = chain_seed(self.model_id, req.cache_salt, adapter)
@@ -112,7 +117,7 @@ class PrefixGateRouter(RequestRouter):
         start = time.perf_counter()
         session = pending_request.metadata.session_id or req.session_id or None
         hashes = self._hashes(req)
-        route = RouteRequest(hashes, len(req.prompt_token_ids), self.block_size, session)
+        route = RouteRequest(hashes, len(req.prompt_token_ids), self.block_size, session, self._adapter(req))
         self._calibrate()
         routed = await self._decide(route, by_id)
         self._remember(key, routed)

@@ -34,6 +34,9 @@ class RouterOptions:
     sampled_replicas: int = SAMPLED_REPLICAS
     index_buckets: int = INDEX_BUCKETS  # must equal the replicas' (AppConfig passes one value to both)
     load_refresh_s: float = LOAD_REFRESH_S
+    # LoRA: hash an adapter's prompts under its identity and price replicas by whether they hold
+    # it; False routes every request as the base model's (as routers that do not know adapters do)
+    lora_aware: bool = True
 
     def __post_init__(self) -> None:
         if self.policy_options is None:

@@ -104,7 +104,7 @@ def test_every_router_option_reaches_the_router_from_a_config_file():
     changed = {"policy": "affinity", "policy_options": {"miss_weight": 9.0}, "publish_depth": 32,
                "key_prefix": "cfg", "redis_timeout_s": 0.2, "session_ttl_s": 60, "seed": 5,
                "sampled_replicas": 2, "index_buckets": 4, "load_refresh_s": 0.5, "block_size": 32,
-               "redis_url": "redis://127.0.0.1:1/0"}
+               "redis_url": "redis://127.0.0.1:1/0", "lora_aware": False}
     assert set(changed) | {"model_id"} == {f.name for f in fields(RouterOptions)}
     config = AppConfig.from_dict(changed)
     kwargs = router_config(config, "my-model").request_router_kwargs

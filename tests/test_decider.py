@@ -116,3 +116,31 @@ def test_the_lookups_tier_split_reaches_the_policy():
     assert routed.decision.replica_id == "pool" and routed.ranked == ["pool", "tiers"]
     tiers = policy.seen["tiers"]
     assert (tiers.matched_blocks, tiers.host_blocks, tiers.disk_blocks, tiers.device_blocks) == (16, 10, 2, 4)
+
+
+def test_a_lora_request_prefers_the_replica_holding_its_adapter():
+    """Equal load, no prefix anywhere: the replica whose heartbeat lists the adapter as resident
+    wins over one that would read it from disk (priced at its measured load time); a base-model
+    request, and a replica that reports no LoRA at all (vLLM's, lora_load_ms 0), pay nothing."""
+    table = _table({"a": {**_load(), "lora_resident": "poet@11 tutor@22", "lora_load_ms": 60},
+                    "b": {**_load(), "lora_resident": "sql@33", "lora_load_ms": 60},
+                    "v": {**_load(), "lora_resident": "", "lora_load_ms": 0}})
+    policy = make_policy("affinity", seed=0)
+    decider = Decider(policy, table, InflightPrefixes(3.0), sampled=4)
+    views = {v: decider._view(v, 0, 0, {}, None, "tutor@22") for v in ("a", "b", "v")}
+    assert [views[v].adapter_resident for v in ("a", "b", "v")] == [True, False, None]
+    assert views["b"].adapter_load_s == 0.06
+    route = RouteRequest(list(range(16)), 256, BS, None, "tutor@22")
+    costs = {v: policy.cost(route, views[v]) for v in views}
+    assert costs["a"] == costs["v"] < costs["b"]
+    base = RouteRequest(list(range(16)), 256, BS, None)
+    assert policy.cost(base, views["a"]) == policy.cost(base, views["b"])
+    assert make_policy("affinity", seed=0, adapter_weight=0).cost(route, views["b"]) == costs["a"]
+
+    async def run():
+        try:
+            return [decider.score(route, ["a", "b"], Lookup(None), lambda rid: 0).decision.replica_id for _ in range(20)]
+        finally:
+            await table.close()
+
+    assert set(asyncio.run(run())) == {"a"}

@@ -141,7 +141,7 @@ def test_a_timed_out_lookup_keeps_the_load_table(redis_server):
     import redis
 
     from router.index.redis_index import IndexUnavailable
-    from router.protocol.redis_schema import LOAD_FIELDS, RedisKeys
+    from router.protocol.redis_schema import LOAD_FIELDS, Heartbeat, RedisKeys
 
     prefix = f"deg-{uuid.uuid4().hex[:6]}"
     keys = RedisKeys(prefix)
@@ -149,7 +149,7 @@ def test_a_timed_out_lookup_keeps_the_load_table(redis_server):
     busy = {"running": 30, "waiting": 40, "pending_prefill_tokens": 20000}
     for rid in ("r0", "r1"):
         load = busy if rid == "r0" else {}
-        sync.hset(keys.heartbeat(rid), mapping={f: load.get(f, 0) for f in LOAD_FIELDS})
+        sync.hset(keys.heartbeat(rid), mapping={f: load.get(f, getattr(Heartbeat(), f)) for f in LOAD_FIELDS})
 
     async def scenario():
         index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.05, cooldown_s=30.0, timeouts_to_trip=1))
@@ -184,13 +184,13 @@ def test_a_new_replica_is_read_before_its_first_decision(redis_server):
 
     import redis
 
-    from router.protocol.redis_schema import LOAD_FIELDS, RedisKeys
+    from router.protocol.redis_schema import LOAD_FIELDS, Heartbeat, RedisKeys
 
     prefix = f"new-{uuid.uuid4().hex[:6]}"
     keys = RedisKeys(prefix)
     sync = redis.Redis.from_url(redis_server.url)
     for rid, load in (("old", {"running": 6, "waiting": 2, "pending_prefill_tokens": 900}), ("new", {})):
-        sync.hset(keys.heartbeat(rid), mapping={f: load.get(f, 0) for f in LOAD_FIELDS})
+        sync.hset(keys.heartbeat(rid), mapping={f: load.get(f, getattr(Heartbeat(), f)) for f in LOAD_FIELDS})
 
     async def scenario():
         index = RedisIndex(RedisConfig(redis_server.url, prefix))
@@ -207,7 +207,7 @@ def test_a_new_replica_is_read_before_its_first_decision(redis_server):
                 seen.append(table.get("new"))
 
             await asyncio.gather(*(decision_time() for _ in range(8)))
-            assert seen == [{f: 0 for f in LOAD_FIELDS}] * 8
+            assert seen == [{f: getattr(Heartbeat(), f) for f in LOAD_FIELDS}] * 8  # the defaults it wrote
             first = table._catch_up
             look = await index.lookup([11, 12, 13])
             routed = decider.score(_route([11, 12, 13], None), ["old", "new"], look, lambda rid: 0)

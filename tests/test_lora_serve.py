@@ -167,3 +167,22 @@ def test_replicas_export_vllm_lora_requests_info(lora_app, stack):
         assert time.monotonic() < deadline, f"no vllm_lora_requests_info from the LoRA app: {series}"
         time.sleep(2)
     assert {"running_lora_adapters", "waiting_lora_adapters", "model_name"} <= set(mine[0])
+
+
+def test_heartbeats_list_the_resident_adapters(lora_app, lora_config, lora_dirs):
+    """A replica's heartbeat names the adapters in its host memory (their identities, which the
+    router compares with a request's) and its measured time to read one from disk."""
+    import redis
+
+    from router.protocol.lora import adapter_ref
+
+    keys = RedisKeys(lora_config.key_prefix)
+    client = redis.Redis.from_url(lora_config.redis_url, decode_responses=True)
+    tutor = adapter_ref("tutor", lora_dirs["tutor"]).identity
+    r = complete(lora_app, "tutor", f"hb-{uuid.uuid4().hex[:6]}")
+    home = r.headers["x-prefixgate-replica"]
+    deadline = time.monotonic() + 30  # a hang guard only: a heartbeat comes every half second
+    while tutor not in (hb := client.hgetall(keys.heartbeat(home))).get("lora_resident", "").split():
+        assert time.monotonic() < deadline, hb
+        time.sleep(0.2)
+    assert len(hb["lora_resident"].split()) <= lora_config.max_cpu_loras and int(hb["lora_load_ms"]) > 0, hb

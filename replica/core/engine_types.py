@@ -64,6 +64,8 @@ class EngineStats:
     lora_running: list[str] = field(default_factory=list)
     lora_waiting: list[str] = field(default_factory=list)
     max_loras: int = 0
+    lora_resident: list[str] = field(default_factory=list)  # identities in host memory (no disk read to start)
+    lora_load_s: float = 0.0  # measured: reading one adapter from disk (0: none read yet)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,13 +223,17 @@ class AdapterStore:
         self.model, self.max_cpu_loras = model, max_cpu_loras
         self.resident: OrderedDict[str, LoraWeights] = OrderedDict()  # by identity
         self.disk_reads = 0  # adapters read from disk (at registration and after an eviction)
+        self.read_s = 0.0  # of those reads, a moving average of their time (routers price a load with it)
 
     def read(self, ref: AdapterRef) -> LoraWeights:
         """`ref`'s tensors, checked against the model, now resident (raises AdapterError)."""
         weights = self.resident.get(ref.identity)
         if weights is None:
+            started = time.perf_counter()
             weights = read_adapter(ref.name, ref.identity, ref.path)
             self.model.check(weights, ref.path)
+            took = time.perf_counter() - started
+            self.read_s = took if not self.disk_reads else 0.8 * self.read_s + 0.2 * took
             self.disk_reads += 1
             self.resident[ref.identity] = weights
             while len(self.resident) > self.max_cpu_loras:

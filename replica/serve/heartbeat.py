@@ -31,6 +31,8 @@ def build_heartbeat(backend: EngineBackend, puller: PullLoad | None,
         "kv_pull": int(backend.capabilities.kv_pull),  # routers send pull hints only where 1
         "pid": os.getpid(),
         "generated_tokens": s.generated_tokens,
+        "lora_resident": " ".join(s.lora_resident),
+        "lora_load_ms": round(s.lora_load_s * 1000),
     }
     for medium, tier in s.tiers.items():  # the K/V tiers below the pool
         load[f"{medium}_blocks"] = tier.blocks

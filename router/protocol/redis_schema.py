@@ -52,6 +52,11 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     disk_capacity_blocks: int = 0
     kv_host_bytes_per_s: int = 0
     kv_disk_bytes_per_s: int = 0
+    # LoRA: the adapters resident in the replica's host memory (identities, space-separated: a
+    # request under one of them starts without reading it from disk), and the measured time of
+    # reading one from disk, ms (0: none read yet)
+    lora_resident: str = ""
+    lora_load_ms: int = 0
     # not read by routers
     pid: int = 0  # the replica's process (operators, the fault tests)
     generated_tokens: int = 0  # output tokens since start (tests see whether an aborted request stopped)
@@ -91,11 +96,18 @@ INDEX_BUCKETS = 16
 # (docs/vllm.md). A mark outliving an aborted request costs at most one miss.
 INFLIGHT_TTL_S = 20.0
 
-def parse_heartbeat(values: list) -> dict[str, int] | None:
+_TEXT_FIELDS = frozenset({"lora_resident"})  # the load fields that are not integers
+
+
+def parse_heartbeat(values: list) -> dict[str, int | str] | None:
     """HMGET answer (in LOAD_FIELDS order) -> load dict; None when the hash is gone."""
     if values is None or all(v is None for v in values):
         return None
-    return {k: int(v or 0) for k, v in zip(LOAD_FIELDS, values, strict=True)}
+    return {k: _text(v) if k in _TEXT_FIELDS else int(v or 0) for k, v in zip(LOAD_FIELDS, values, strict=True)}
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
 
 
 @dataclass(frozen=True)
