@@ -58,6 +58,7 @@ def engine_config(config: AppConfig, model_id: str) -> EngineConfig:
         dtype=config.dtype,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
         max_model_len=config.max_model_len,
         compile=config.compile,
         enable_lora=config.lora_enabled,
@@ -151,6 +152,7 @@ def sim_settings(config: AppConfig, model_id: str) -> dict | None:
         resolve_model(config.model), model_id=model_id, block_size=config.block_size,
         num_blocks=config.num_blocks or SIM_DEFAULT_BLOCKS, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
         time_scale=config.time_scale, service=dict(config.sim_service), max_loras=config.max_loras if config.lora_enabled else 0,
         **dict(config.sim_transfer),
     )

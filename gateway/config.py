@@ -17,6 +17,7 @@ from typing import Any
 from replica.backends.engine_protocol import ENGINE_NAMES
 from replica.engine_config import (
     KV_CACHE_MB,
+    LONG_PREFILL_TOKEN_THRESHOLD,
     MAX_CPU_LORAS,
     MAX_LORA_RANK,
     MAX_LORAS,
@@ -84,6 +85,9 @@ class AppConfig:
                                         "restarts under ~/.cache/prefixgate/inductor; docs/benchmarks.md)")
     max_num_seqs: int = setting(MAX_NUM_SEQS, help="sequences running at once per replica")
     max_num_batched_tokens: int = setting(MAX_NUM_BATCHED_TOKENS, help="tokens per engine step (the prefill chunk, decodes included)")
+    long_prefill_token_threshold: int = setting(LONG_PREFILL_TOKEN_THRESHOLD, help="our and the sim engine: most prompt tokens of one "
+                                                "request per step while others wait, so a short prompt starts within one "
+                                                "step of a long prefill (0: no cap; vLLM's: --vllm engine_args='{\"long_prefill_token_threshold\": N}')")
     max_model_len: int | None = setting(4096, help="longest prompt + output, tokens (None: the model's)")
     # LoRA adapters (docs/lora.md)
     lora: dict[str, str] = setting(factory=dict, raw_keys=True, help="LoRA adapters served from the start, NAME=PATH (a PEFT "
@@ -214,6 +218,8 @@ class AppConfig:
             raise ValueError(f"flow_prefill_tokens must be >= 1, got {self.flow_prefill_tokens}")
         if self.flow_replica_waiting < 1 or not 0 <= self.flow_kv_free_min < 1:
             raise ValueError("flow_replica_waiting must be >= 1 and flow_kv_free_min in [0, 1)")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         for name in ("sim_service", "sim_transfer", "replica_resources", "gateway_resources"):

@@ -33,7 +33,7 @@ from gateway.errors import APIError, bad_request, http_error
 from gateway.flow.admission import Ticket
 from gateway.flow.keys import KeySpec, TenantSpec, parse_keys
 from gateway.flow.rate_limit import RateLimiter
-from gateway.flow.tiers import request_tier
+from gateway.flow.tiers import request_tier, tier_priority
 from gateway.health import readiness
 from gateway.migration import MigrationPolicy, ResilientStream
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest, routing_session
@@ -258,7 +258,8 @@ class Gateway:
         return ResilientStream(handle.generate.remote, req, policy, RETRYABLE).__aiter__()
 
     def _generate(self, served: ServedModel, body, prompt_ids: list[int], prompt_text: str, session: str | None,
-                  tenant: str | None, max_tokens: int, adapter: AdapterRef | None) -> list[AsyncIterator[dict]]:
+                  tenant: str | None, max_tokens: int, adapter: AdapterRef | None,
+                  tier: str = "default") -> list[AsyncIterator[dict]]:
         """The request's n replica streams, not started: nothing reaches a replica before one is read."""
         streams = []
         for i in range(body.n):
@@ -279,7 +280,8 @@ class Gateway:
             except InvalidParam as e:
                 raise bad_request(str(e), param=e.param) from None
             req = GenerateRequest(prompt_token_ids=list(prompt_ids), params=sampling, prompt=prompt_text,
-                                  session_id=session, cache_salt=tenant, adapter=adapter)
+                                  session_id=session, cache_salt=tenant, adapter=adapter,
+                                  priority=tier_priority(tier))
             streams.append(self._replica_stream(served, req))
         return streams
 
@@ -315,7 +317,7 @@ class Gateway:
             if session and tenant:
                 session = f"{tenant}/{session}"  # one tenant cannot steer another's sessions
             max_tokens = prompts.check_length(prompt_ids, body.requested_max_tokens())
-            streams = self._generate(served, body, prompt_ids, prompt_text, session, tenant, max_tokens, adapter)
+            streams = self._generate(served, body, prompt_ids, prompt_text, session, tenant, max_tokens, adapter, tier)
             cost = len(prompt_ids) + body.n * max_tokens  # tokens: the prompt and the most it may produce
             if key is not None:
                 limit_headers = await self._limit(self.keys.tenants[tenant], cost)

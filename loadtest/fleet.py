@@ -158,7 +158,8 @@ def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key
                       "kv_disk_bytes_per_s": transfer.disk_bytes_per_s},
         redis_url=redis_url, key_prefix=key_prefix, block_size=spec.block_size, num_blocks=s.capacity_blocks,
         max_model_len=spec.max_model_len, max_num_seqs=service.max_running,
-        max_num_batched_tokens=service.chunk_tokens, seed=spec.seed, gateways=spec.gateways,
+        max_num_batched_tokens=service.chunk_tokens, long_prefill_token_threshold=0,  # the service model's chunk
+        seed=spec.seed, gateways=spec.gateways,
         default_max_tokens=spec.max_output, max_ongoing_requests=service.max_running,
         max_queued_requests=100_000, redis_timeout_s=lookup_budget_s(spec.wall_scale),
     )

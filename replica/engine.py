@@ -97,6 +97,7 @@ class LLMEngine(EngineCore):
             executor=ModelStep(self.runner, self.sampler, self.token_text, self.lora_store),
             host_blocks=host_blocks, disk_blocks=disk_blocks, mover=self.tier_store,
             max_loras=config.max_loras if config.lora else 0,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         self.executor.adapters = self.adapters
         for name, adapter_path in config.lora_adapters.items():
@@ -127,13 +128,14 @@ class LLMEngine(EngineCore):
         prefix_text_len: int | None = None,
         kv_prefix: kv_transfer.KvBlocks | None = None,
         adapter: str | None = None,
+        priority: int = 0,
     ) -> str:
         """See EngineCore.new_sequence for a migrated stream's prefix. kv_prefix: the prompt's
         leading blocks pulled from another replica, imported into the cache before the request
         is queued (docs/kv-pull.md); blocks that do not fit are recomputed. adapter: the name
-        of a served LoRA adapter to run the request under."""
+        of a served LoRA adapter to run the request under. priority: lower runs first."""
         seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len,
-                                adapter)
+                                adapter, priority)
         try:
             self.sampler.add(seq)  # compiles a response_format grammar: refused here, not mid-batch
         except ValueError as e:

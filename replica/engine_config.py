@@ -21,6 +21,9 @@ BLOCK_SIZE = 16  # tokens per K/V block (vLLM replicas need a multiple of 32: re
 KV_CACHE_MB = 512  # K/V pool per replica when num_blocks is not given
 MAX_NUM_SEQS = 64  # sequences running at once
 MAX_NUM_BATCHED_TOKENS = 512  # tokens per step: the prefill chunk, decodes included
+# most prompt tokens of one sequence per step (vLLM's long_prefill_token_threshold): a long prompt
+# leaves the rest of each step's budget to the prompts queued behind it (0: no cap)
+LONG_PREFILL_TOKEN_THRESHOLD = 256
 # LoRA limits, with vLLM's meanings: adapters in one batch, the largest rank, adapters resident in
 # host memory (the rest are read from disk when a request needs them, least recently used out)
 MAX_LORAS = 4
@@ -39,6 +42,7 @@ class EngineConfig:
     dtype: str | None = None  # "float32", "bfloat16", ...; None: float32 on CPU, bf16 on GPU
     max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    long_prefill_token_threshold: int = LONG_PREFILL_TOKEN_THRESHOLD
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     compile: bool = False  # torch.compile the forward at start (replica/model/compiled_step.py; cached across restarts)
     # K/V tiers below the pool (replica/kvcache/kv_tiers.py): what the pool evicts moves to host memory,
@@ -66,6 +70,7 @@ class SimEngineConfig:
     num_blocks: int = 1024
     max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = 2048  # the service model's prefill chunk (decodes included)
+    long_prefill_token_threshold: int = 0  # as EngineConfig's (0: the whole budget, as the service model's chunk)
     max_model_len: int = 4096
     vocab_size: int = 49152
     eos_token_ids: list[int] = field(default_factory=list)  # never emitted as fake output

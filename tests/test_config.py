@@ -85,6 +85,17 @@ def test_bad_settings_are_refused_with_the_setting_named(capsys):
     assert engine.compile and engine.dtype == "bfloat16"
 
 
+def test_long_prefill_threshold_flag_reaches_both_engines(capfd):
+    from gateway.app import sim_settings
+
+    config = _parse("--long-prefill-token-threshold", "64")
+    assert engine_config(config, "m").long_prefill_token_threshold == 64
+    assert sim_settings(_parse("--engine", "sim", "--long-prefill-token-threshold", "32"), "m")[
+        "long_prefill_token_threshold"] == 32
+    assert main(["serve", "--long-prefill-token-threshold", "-1"]) == 2  # refused before anything starts
+    assert "long_prefill_token_threshold must be >= 0" in capfd.readouterr().err
+
+
 def test_one_default_per_setting():
     """The served defaults are the engine's and the router's own, not copies that drift."""
     app, engine, router = AppConfig(), EngineConfig(), RouterOptions()

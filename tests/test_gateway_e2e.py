@@ -192,6 +192,6 @@ def test_health_models_and_metrics(stack):
     chat(stack, [{"role": "user", "content": "Hello!"}], session="metrics-check")
     text = httpx.get(f"{stack.url}/metrics").text
     for name in ("prefixgate_prefix_cache_queries_tokens_total{replica=", "prefixgate_prefix_cache_hits_tokens_total{replica=",
-                 "prefixgate_time_to_first_token_seconds_bucket", "prefixgate_routed_requests_total{reason=",
+                 "prefixgate_time_to_first_token_seconds_bucket", f"prefixgate_routed_requests_total{{model_name=\"{MODEL}\",reason=",
                  "prefixgate_route_decisions_total{policy=\"affinity-pull\"", "prefixgate_route_decision_seconds_bucket"):
         assert name in text, name

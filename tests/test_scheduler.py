@@ -74,3 +74,59 @@ def test_no_admission_in_a_step_that_preempted():
     assert bm.can_allocate(c.table, c.num_tokens, 64)  # ...although it would fit
     chunks = _step(sched)
     assert c.status is Status.RUNNING and chunks[-1].seq is c and chunks[-1].start == 8  # 2 blocks hit
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    bm = BlockManager(64, BS)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), bm)
+    order = []
+    for name, priority in (("flex-1", 1), ("default-1", 0), ("flex-2", 1), ("priority-1", -1), ("default-2", 0)):
+        seq = _seq([10 + len(order)] * 8, max_tokens=1)
+        seq.request_id, seq.priority = name, priority
+        sched.add(seq)
+        order.append(seq)
+    admitted = []
+    while sched.has_work:
+        for c in _step(sched):
+            if c.start == 0:
+                admitted.append(c.seq.request_id)
+            if c.seq.num_tokens > 8:  # its one token was sampled (and appended) this step
+                sched.finish(c.seq, "length")
+    assert admitted == ["priority-1", "default-1", "default-2", "flex-1", "flex-2"]
+
+
+def test_the_pools_victim_is_the_lowest_priority():
+    """Two running sequences outgrow the pool: the flex one is preempted, though it came first."""
+    bm = BlockManager(6, BS)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
+    flex, urgent = _seq(list(range(10, 22)), max_tokens=16), _seq(list(range(40, 48)), max_tokens=16)
+    flex.priority, urgent.priority = 1, -1
+    sched.add(flex)
+    sched.add(urgent)
+    while not flex.num_preemptions and not urgent.num_preemptions:
+        _step(sched)
+    assert flex.num_preemptions == 1 and urgent.num_preemptions == 0 and flex.status is Status.WAITING
+
+
+def test_a_long_prefill_leaves_room_for_a_short_prompt_behind_it():
+    """With the threshold, a short prompt arriving during a long prefill starts at the next step;
+    alone, the long prompt still takes the whole budget (the cap never idles it)."""
+    bm = BlockManager(256, BS)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=32), bm)
+    long = _seq(list(range(1000, 1400)), max_tokens=1)
+    sched.add(long)
+    [alone] = _step(sched)
+    assert alone.end - alone.start == 64
+    short = _seq(list(range(5000, 5016)), max_tokens=1)
+    sched.add(short)
+    chunks = {c.seq.request_id: c for c in _step(sched)}
+    assert short.request_id in chunks and chunks[short.request_id].end == 16  # all of it, this step
+    assert chunks[long.request_id].end - chunks[long.request_id].start == 32  # capped: someone waited
+    # without the threshold the long prompt takes the budget and the short one waits a step
+    bm2 = BlockManager(256, BS)
+    plain = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm2)
+    long2, short2 = _seq(list(range(1000, 1400)), max_tokens=1), _seq(list(range(5000, 5016)), max_tokens=1)
+    plain.add(long2)
+    _step(plain)
+    plain.add(short2)
+    assert [c.seq for c in _step(plain)] == [long2]

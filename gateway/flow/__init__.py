@@ -11,5 +11,5 @@ One concern per module:
   rate_limit.py  requests and tokens per minute per tenant, one Redis script per admission
                  (a local share of each limit while Redis is away)
 
-docs/flow-control.md describes the whole; docs/configuration.md lists the settings.
+docs/flow-control.md describes the whole and lists its settings.
 """

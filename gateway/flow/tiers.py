@@ -12,6 +12,11 @@ RANK = {name: rank for rank, name in enumerate(TIERS)}
 ACCEPTED = ("auto", "default", "flex", "priority")  # what a request may name
 
 
+def tier_priority(tier: str) -> int:
+    """A tier as vLLM's integer priority for the replica's scheduler: -1, 0, 1 (lower first)."""
+    return RANK[tier] - RANK["default"]
+
+
 def invalid_tier(value: object):
     """OpenAI's 400 for a service_tier it does not offer (an APIError)."""
     from gateway.errors import APIError

@@ -12,7 +12,8 @@ compute), two API keys (tenants `flood` and `quiet`). For each flood shape and e
 Reported: the quiet tenant's TTFT p50/p99 (first content event), the flood's output tokens/s
 (counted from `usage` of the requests completed in the window, not from SSE events), and
 refusals. Targets: quiet TTFT p99 together <= 2x alone; flood tokens/s together >=
-90% of alone.
+90% of alone. With `--flood-tier flex --quiet-tier priority` the same run measures the priority
+target: priority requests' TTFT p99 under a flex flood <= 1.5x alone.
 
     python -m loadtest.bench.noisy_neighbour --duration 30 --json /tmp/nn.json
 """
@@ -97,16 +98,17 @@ async def _stream(http: httpx.AsyncClient, url: str, key: str, body: dict, first
     return ttft, tokens, None
 
 
-def _body(model: str, prompt_tokens: int, max_tokens: int, rng: random.Random) -> dict:
+def _body(model: str, prompt_tokens: int, max_tokens: int, rng: random.Random, tier: str | None = None) -> dict:
     # token ids, so the prompt length is exact; random so nothing is a prefix-cache hit
-    return {"model": model, "prompt": [rng.randrange(1000, 20000) for _ in range(prompt_tokens)],
+    body = {"model": model, "prompt": [rng.randrange(1000, 20000) for _ in range(prompt_tokens)],
             "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
+    return body if tier is None else {**body, "service_tier": tier}
 
 
 async def window(base: str, model: str, seconds: float, quiet: bool, flood: tuple[int, int] | None,
                  flood_streams: int, quiet_prompt: int, quiet_max_tokens: int, think_s: float, seed: int,
-                 warmup_s: float = 10.0) -> Window:
+                 warmup_s: float = 10.0, flood_tier: str | None = None, quiet_tier: str | None = None) -> Window:
     """One measured window of `seconds`, after `warmup_s` of the flood alone (its queue fills).
     Flood tokens: requests that completed inside the window. Quiet TTFTs: requests sent inside
     it; one still without a token when the window ends counts its wait so far (a lower bound)."""
@@ -122,7 +124,7 @@ async def window(base: str, model: str, seconds: float, quiet: bool, flood: tupl
 
         async def flood_loop() -> None:
             while time.perf_counter() < end:
-                _, tokens, code = await _stream(http, url, "sk-flood", _body(model, *flood, rng))
+                _, tokens, code = await _stream(http, url, "sk-flood", _body(model, *flood, rng, flood_tier))
                 done = time.perf_counter()
                 if code is not None:
                     if done >= begin:
@@ -140,7 +142,7 @@ async def window(base: str, model: str, seconds: float, quiet: bool, flood: tupl
                 pending[n] = time.perf_counter()
                 first: list[float] = []
                 try:
-                    _, _, code = await _stream(http, url, "sk-quiet", _body(model, quiet_prompt, quiet_max_tokens, rng), first)
+                    _, _, code = await _stream(http, url, "sk-quiet", _body(model, quiet_prompt, quiet_max_tokens, rng, quiet_tier), first)
                 finally:
                     if first:
                         pending.pop(n, None)
@@ -168,7 +170,7 @@ def measure(args: argparse.Namespace, base: str, model: str, quiet: bool, flood:
     quiet tenant's TTFT is not measured on an event loop busy parsing the flood's events)."""
     common = dict(base=base, model=model, seconds=args.duration, flood_streams=args.flood_streams,
                   quiet_prompt=args.quiet_prompt, quiet_max_tokens=args.quiet_max_tokens, think_s=args.think_s,
-                  warmup_s=args.warmup_s if flood else 0.0)
+                  warmup_s=args.warmup_s if flood else 0.0, flood_tier=args.flood_tier, quiet_tier=args.quiet_tier)
     roles = []
     if flood:
         roles.append({**common, "quiet": False, "flood": list(flood), "seed": seed})
@@ -232,6 +234,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--flood-streams", type=int, default=96, help="concurrent flood clients")
     p.add_argument("--quiet-prompt", type=int, default=48, help="quiet request's prompt tokens")
     p.add_argument("--quiet-max-tokens", type=int, default=16)
+    p.add_argument("--flood-tier", choices=("auto", "default", "flex", "priority"),
+                   help="the flood's service_tier (e.g. flex; none sent: the key's default)")
+    p.add_argument("--quiet-tier", choices=("auto", "default", "flex", "priority"),
+                   help="the quiet tenant's service_tier (e.g. priority, for the priority target)")
     p.add_argument("--think-s", type=float, default=0.1, help="quiet client's pause between requests")
     p.add_argument("--warmup-s", type=float, default=10.0, help="flood alone before a window is measured")
     p.add_argument("--settle-s", type=float, default=5.0, help="pause after a flood window (its cancelled requests end)")

@@ -83,11 +83,13 @@ class EngineBackend(Protocol):
         request_id: str,
         cache_salt: str | None = None,
         adapter: AdapterRef | None = None,
+        priority: int = 0,
         **extra: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's deltas; the last has finished=True. Raises InvalidRequestError
         before anything runs for a request the engine refuses, EngineDeadError when it stops.
         `adapter`: the LoRA adapter to run under (where `capabilities.lora`), read first if new.
+        `priority`: vLLM's scheduling priority (lower first), the gateway's service tier.
         `extra`: prefix_output_token_ids/prefix_text_len (a migrated stream), kv_prefix (pulled
         K/V), kv_pull_blocks (a modelled pull) where the capabilities say so."""
         ...

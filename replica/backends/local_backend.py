@@ -59,11 +59,13 @@ class LocalBackend:
         return cls(await asyncio.to_thread(LLMEngine, config=engine_config), "model")
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
-                 cache_salt: str | None = None, adapter: AdapterRef | None = None,
+                 cache_salt: str | None = None, adapter: AdapterRef | None = None, priority: int = 0,
                  **extra: Any) -> AsyncIterator[RequestOutput]:
         if adapter is None:
-            return self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, **extra)
-        return self._generate_adapter(adapter, prompt_token_ids, params, request_id, cache_salt, extra)
+            return self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
+                                        priority=priority, **extra)
+        return self._generate_adapter(adapter, prompt_token_ids, params, request_id, cache_salt,
+                                      {**extra, "priority": priority})
 
     async def _generate_adapter(self, adapter: AdapterRef, prompt_token_ids, params, request_id, cache_salt,
                                 extra: dict) -> AsyncIterator[RequestOutput]:

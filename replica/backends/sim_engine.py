@@ -161,7 +161,7 @@ class SimEngine(EngineCore):
             max_model_len=config.max_model_len, vocab_size=config.vocab_size, eos_token_ids=set(),
             detokenizer=_WordDetokenizer(), executor=self.sleep,
             host_blocks=int(config.host_blocks), disk_blocks=int(config.disk_blocks), mover=None,
-            max_loras=config.max_loras,
+            max_loras=config.max_loras, long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
 
         self.lag = StepLag()
@@ -189,10 +189,12 @@ class SimEngine(EngineCore):
         prefix_output_token_ids: Seq[int] = (),
         prefix_text_len: int | None = None,
         kv_pull_blocks: int = 0,
+        priority: int = 0,
     ) -> str:
         """As LLMEngine.add_request, token ids only (the gateway tokenises). `kv_pull_blocks`:
         the router's pull hint, modelled (`_land_pulls`)."""
-        seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len)
+        seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len,
+                                priority=priority)
         self._digest[seq.request_id] = xxhash.xxh64_intdigest(array("I", seq.prompt_token_ids).tobytes(), seed=seq.params.seed or 0)
         bs = self.config.block_size
         pull = min(kv_pull_blocks, len(seq.table.hashes), max(seq.num_prompt_tokens - 1, 0) // bs)

@@ -169,7 +169,8 @@ class VllmBackend:
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.block_size),
             gpu_memory_utilization=settings.gpu_memory_utilization, seed=settings.seed, disable_log_stats=False,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"),
-            **{**lora, **settings.engine_args},
+            # scheduling_policy: the gateway's service tiers arrive as each request's priority
+            **{"scheduling_policy": "priority", **lora, **settings.engine_args},
         )
         figures = _Scheduler()
         try:
@@ -248,7 +249,7 @@ class VllmBackend:
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
                        cache_salt: str | None = None, prefix_output_token_ids: Sequence[int] = (),
                        prefix_text_len: int | None = None, adapter: AdapterRef | None = None,
-                       **_: Any) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, **_: Any) -> AsyncIterator[RequestOutput]:
         """A migrated stream (prefix_output_token_ids) continues as a longer prompt: vLLM computes
         or hits the earlier output, and the text the client has not seen yet leads the first delta.
         Under a LoRA `adapter`, vLLM loads it first if it has not taken it yet (its refusal is an
@@ -288,7 +289,7 @@ class VllmBackend:
         token_ids = list(prefix)
         text_so_far = ""
         try:
-            stream = self.engine.generate(inputs, vllm_params, request_id, lora_request=lora_request)
+            stream = self.engine.generate(inputs, vllm_params, request_id, lora_request=lora_request, priority=priority)
             async for out in self._guarded(stream, request_id, state):
                 o = out.outputs[0]
                 new_ids = list(o.token_ids)

@@ -54,7 +54,7 @@ class EngineCore:
     def __init__(self, *, model_id: str, block_size: int, num_blocks: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, vocab_size: int, eos_token_ids: set[int],
                  detokenizer: Detokenizer, executor: StepExecutor, host_blocks: int = 0, disk_blocks: int = 0,
-                 mover: TierMover | None = None, max_loras: int = 0) -> None:
+                 mover: TierMover | None = None, max_loras: int = 0, long_prefill_token_threshold: int = 0) -> None:
         """host_blocks / disk_blocks: the K/V tiers below the pool (replica/kvcache/kv_tiers.py); `mover`
         holds their bytes and runs the copies (None: the tiers are bookkeeping only, the
         simulated replica's case). max_loras: LoRA adapters in one batch (0: no adapters)."""
@@ -69,7 +69,8 @@ class EngineCore:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-writeback") if mover is not None and self.blocks.tiers else None
         self.adapter_slots = AdapterSlots(max_loras) if max_loras else None
         self.adapters: dict[str, AdapterRef] = {}  # served LoRA adapters by name
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks, self.adapter_slots)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold),
+                                   self.blocks, self.adapter_slots)
         self.detokenizer = detokenizer
         self.executor = executor
         self.requests: dict[str, Sequence] = {}
@@ -120,7 +121,7 @@ class EngineCore:
 
     def new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str | None,
                      cache_salt: str | None, prefix_output_token_ids: Seq[int], prefix_text_len: int | None,
-                     adapter: str | None = None) -> Sequence:
+                     adapter: str | None = None, priority: int = 0) -> Sequence:
         """A validated sequence, not queued yet. prefix_output_token_ids: output another replica
         already generated and sent (a migrated stream); they count as this request's output for
         max_tokens, stop strings and text, and are recomputed (or hit in the cache) with the
@@ -142,6 +143,7 @@ class EngineCore:
         seed = self.hash_seed(cache_salt, ref.identity if ref else None)
         seq = Sequence(token_ids, params, seed, **({"request_id": request_id} if request_id else {}))
         seq.adapter = adapter
+        seq.priority = priority
         if seq.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {seq.request_id}")
         if prefix:
@@ -286,9 +288,10 @@ class EngineCore:
         return [final[i] for i in ids]
 
     def add_request(self, prompt, params=None, request_id=None, cache_salt=None, prefix_output_token_ids=(),
-                    prefix_text_len=None, adapter=None) -> str:
+                    prefix_text_len=None, adapter=None, priority: int = 0) -> str:
+        """Queue a request; `priority`: vLLM's, lower is scheduled earlier (replica/core/scheduler.py)."""
         seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len,
-                                adapter)
+                                adapter, priority)
         self.enqueue(seq)
         return seq.request_id
 

@@ -3,15 +3,22 @@
 Every step mixes decodes (one token each for running sequences) with prefill chunks of new
 or partially prefilled sequences, under a token budget, so long prompts never stall decoding.
 Blocks are reserved per chunk (a long prompt holds only the blocks computed so far). When the
-pool runs dry, the most recently admitted sequence is preempted: its blocks are released
+pool runs dry, the running sequence last in (priority, arrival) order is preempted: its blocks are released
 (hashed ones stay cached) and it is recomputed later, usually from cache. A step that preempted
 admits nobody, as in vLLM, so a sequence is never preempted and re-admitted in the same step.
 A request for a LoRA adapter is admitted only when its adapter can hold one of the batch's
 `max_loras` slots; until then it waits and requests behind it go first (vLLM's rule).
+
+Priority (vLLM's `scheduling_policy="priority"`: lower values first, arrival order within one):
+waiting sequences are admitted in (priority, arrival) order, and the pool's victim is the
+running sequence last in that order. `long_prefill_token_threshold` (vLLM's) caps one
+prefill chunk while sequences wait, so a long prompt leaves part of every step's budget to
+those behind it: a short prompt that arrives during a long prefill starts within one step.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -25,6 +32,7 @@ from replica.kvcache.block_manager import BlockManager
 class SchedulerConfig:
     max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS  # prefill chunk budget per step, decodes included
+    long_prefill_token_threshold: int = 0  # most prompt tokens of one sequence per step (0: the whole budget)
 
 
 @dataclass
@@ -47,9 +55,27 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.arrival_seq = next(self._arrivals)
+        self._queue(seq)
+
+    def _queue(self, seq: Sequence) -> None:
+        """Into `waiting` at its place in (priority, arrival) order (usually the end: O(1))."""
+        key = _order(seq)
+        pos = len(self.waiting)
+        while pos and _order(self.waiting[pos - 1]) > key:
+            pos -= 1
+        self.waiting.insert(pos, seq)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute this step: the rest of its prompt or one decode, within the
+        budget; a prompt's chunk capped by the long-prefill threshold while others wait (alone,
+        a long prompt takes the whole budget: the cap only makes room, never idles it)."""
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 and n > 1 and self.waiting else n
 
     @property
     def has_work(self) -> bool:
@@ -66,8 +92,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            fits, evicted = self._ensure_room(seq, seq.num_computed + n)
+            n = self._chunk(seq, budget)
+            fits, evicted = self._ensure_room(seq, seq.num_computed + n, i)
             preempted = preempted or evicted
             if not fits:
                 continue  # seq itself was preempted; running shrank
@@ -94,18 +120,19 @@ class Scheduler:
             seq.num_computed = cached
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - cached, budget)
+            n = self._chunk(seq, budget)
             chunks.append(ScheduledChunk(seq, cached, cached + n))
             budget -= n
         self.waiting.extendleft(reversed(passed))
         return chunks
 
-    def _ensure_room(self, seq: Sequence, num_tokens: int) -> tuple[bool, bool]:
-        """Give `seq` blocks for its first `num_tokens` tokens, preempting newer sequences if
-        needed. Returns (seq still runs, something was preempted)."""
+    def _ensure_room(self, seq: Sequence, num_tokens: int, first: int) -> tuple[bool, bool]:
+        """Give `seq` (running[first]) blocks for its first `num_tokens` tokens, preempting
+        sequences not scheduled yet this step (running[first:]), the newest of the lowest
+        priority first. Returns (seq still runs, something was preempted)."""
         preempted = False
         while not self.blocks.can_append(seq.table, num_tokens):
-            victim = self.running[-1]
+            victim = max(self.running[first:], key=_order)
             self._preempt(victim)
             preempted = True
             if victim is seq:
@@ -126,7 +153,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._queue(seq)  # by its first arrival: ahead of everything of its priority that came later
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
         """Record the computed tokens so full blocks become cache entries."""
@@ -143,3 +170,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.table)
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival_seq

@@ -38,6 +38,8 @@ class Sequence:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    priority: int = 0  # vLLM's: lower is scheduled earlier (the gateway maps service tiers onto it)
+    arrival_seq: int = 0  # its place in the scheduler's arrival order (set when queued)
     lora_slot: int = -1  # its adapter's batch slot while running (replica/core/adapter_slots.py)
     detok_state: Any = None  # the detokenizer's incremental state (replica.core.detokenizer.DetokState)
 

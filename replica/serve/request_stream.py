@@ -69,7 +69,7 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
                     extras = got
         stream = replica.backend.generate(
             request.prompt_token_ids, request.params, request_id=request.request_id,
-            cache_salt=request.cache_salt, adapter=request.adapter, **extras,
+            cache_salt=request.cache_salt, adapter=request.adapter, priority=request.priority, **extras,
         )
         batched = batched_outputs(stream, replica.settings.stream_interval_s, KEEPALIVE_S)
         async with contextlib.aclosing(batched) as outputs:
@@ -84,7 +84,7 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
                     if replica.kv_pull is not None:
                         replica.kv_pull.observe(out)
                     yield EndChunk(out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids))
-    except (InvalidRequestError, TypeError, ValueError) as e:
+    except (InvalidRequestError, ValueError) as e:  # ValueError: vLLM's refusal (a TypeError is our bug: a 500)
         rec.done = True  # refused, never ran: not a finished request
         yield ErrorChunk(404 if isinstance(e, UnknownAdapterError) else 400, str(e))
     except EngineDeadError as e:  # failed or shutting down: another replica can continue it
