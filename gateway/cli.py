@@ -125,6 +125,7 @@ BENCHES = {
     "serving": ("loadtest.bench.serving_bench", "the serving path's ceiling: sim replicas at near-zero cost, streaming clients"),
     "lora": ("loadtest.bench.lora_bench", "LoRA decode: rows over several adapters against base-model rows"),
     "lora-routing": ("loadtest.bench.lora_routing", "LoRA routing: adapter-aware against adapter-blind, live"),
+    "noisy-neighbour": ("loadtest.bench.noisy_neighbour", "flow control: a quiet tenant's TTFT beside a flood, off and on"),
 }
 
 

@@ -8,10 +8,11 @@ completion_tokens, ttft_s, latency_s, replica; chat turns add session, turn, pre
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+
+from router.sim.metrics import percentile as sim_percentile
 
 COLUMNS = (
     ("policy", "policy", "{}"),
@@ -49,13 +50,10 @@ def load_records(path: str | Path) -> list[dict]:
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None when empty."""
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """The simulator's percentile (numpy's default interpolation), None when empty: a run's
+    report leaves a figure out rather than print nan."""
+    xs = list(values)
+    return sim_percentile(xs, q) if xs else None
 
 
 def _ratio(a: float, b: float) -> float | None:

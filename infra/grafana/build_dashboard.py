@@ -77,6 +77,16 @@ ROWS = [
          [(f"sum by (medium) (rate(ray_prefixgate_kv_tier_hit_tokens_total{{{M}}}{RATE}))", "hit tokens / s {{medium}}"),
           (f"sum by (medium, direction) (rate(ray_prefixgate_kv_tier_bytes_total{{{M}}}{RATE}))", "{{medium}} {{direction}}")]),
     ]),
+    ("Flow control (docs/flow-control.md)", [
+        ("Queued requests by tier and tenant", "short",
+         "Requests waiting in the gateways' queues (flow_control on), per model, service tier and tenant.",
+         [(f"sum by (model_name, tier, tenant) (ray_prefixgate_queue_depth{{{M}}})", "{{model_name}} {{tier}} {{tenant}}")]),
+        ("Queue wait p99 by tier", "s", "Time from arrival to being sent to a replica (0 when sent at once).",
+         [(q(0.99, "ray_prefixgate_queue_wait_seconds", "tier", M), "{{tier}}")]),
+        ("Shed requests by reason", "reqps",
+         "Refused or dropped before reaching a replica: queue_full, max_wait, disconnected, shutdown, rate_limit.",
+         [(f"sum by (reason) (rate(ray_prefixgate_shed_requests_total{RATE}))", "{{reason}}")]),
+    ]),
     ("Errors and recovery", [
         ("429s (replicas saturated)", "reqps", "",
          [(f"sum(rate(ray_prefixgate_rejected_total{RATE}))", "429 / s")]),

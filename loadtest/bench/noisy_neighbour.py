@@ -15,7 +15,7 @@ refusals. Targets: quiet TTFT p99 together <= 2x alone; flood tokens/s together 
 90% of alone. With `--flood-tier flex --quiet-tier priority` the same run measures the priority
 target: priority requests' TTFT p99 under a flex flood <= 1.5x alone.
 
-    python -m loadtest.bench.noisy_neighbour --duration 30 --json /tmp/nn.json
+    prefixgate bench noisy-neighbour --duration 30 --json /tmp/nn.json
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def format_rows(rows: list[Row], header: bool = True) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.noisy_neighbour", description=__doc__,
+    p = argparse.ArgumentParser(prog="prefixgate bench noisy-neighbour", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", default="sim", choices=("sim", "model"))
     p.add_argument("--replicas", type=int, default=2)
