@@ -33,7 +33,7 @@ from gateway.errors import APIError, bad_request, http_error
 from gateway.flow.admission import Ticket
 from gateway.flow.keys import KeySpec, TenantSpec, parse_keys
 from gateway.flow.rate_limit import RateLimiter
-from gateway.flow.tiers import request_tier, tier_priority
+from gateway.flow.tiers import replica_priority, request_tier
 from gateway.health import readiness
 from gateway.migration import MigrationPolicy, ResilientStream
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest, routing_session
@@ -258,10 +258,11 @@ class Gateway:
         return ResilientStream(handle.generate.remote, req, policy, RETRYABLE).__aiter__()
 
     def _generate(self, served: ServedModel, body, prompt_ids: list[int], prompt_text: str, session: str | None,
-                  tenant: str | None, max_tokens: int, adapter: AdapterRef | None,
-                  tier: str = "default") -> list[AsyncIterator[dict]]:
-        """The request's n replica streams, not started: nothing reaches a replica before one is read."""
-        streams = []
+                  tenant: str | None, max_tokens: int, adapter: AdapterRef | None
+                  ) -> tuple[list[AsyncIterator[dict]], list[GenerateRequest]]:
+        """The request's n replica streams, not started: nothing reaches a replica before one is
+        read; and their requests, whose priority is set once admission has sent them."""
+        streams, reqs = [], []
         for i in range(body.n):
             params = {"max_tokens": max_tokens, "stop": list(body.stop or [])}
             if body.temperature is not None:
@@ -280,10 +281,10 @@ class Gateway:
             except InvalidParam as e:
                 raise bad_request(str(e), param=e.param) from None
             req = GenerateRequest(prompt_token_ids=list(prompt_ids), params=sampling, prompt=prompt_text,
-                                  session_id=session, cache_salt=tenant, adapter=adapter,
-                                  priority=tier_priority(tier))
+                                  session_id=session, cache_salt=tenant, adapter=adapter)
             streams.append(self._replica_stream(served, req))
-        return streams
+            reqs.append(req)
+        return streams, reqs
 
     # ---- endpoints ------------------------------------------------------------------------
     @app.post("/v1/chat/completions", openapi_extra=_schema(ChatCompletionRequest))
@@ -317,12 +318,14 @@ class Gateway:
             if session and tenant:
                 session = f"{tenant}/{session}"  # one tenant cannot steer another's sessions
             max_tokens = prompts.check_length(prompt_ids, body.requested_max_tokens())
-            streams = self._generate(served, body, prompt_ids, prompt_text, session, tenant, max_tokens, adapter, tier)
+            streams, reqs = self._generate(served, body, prompt_ids, prompt_text, session, tenant, max_tokens, adapter)
             cost = len(prompt_ids) + body.n * max_tokens  # tokens: the prompt and the most it may produce
             if key is not None:
                 limit_headers = await self._limit(self.keys.tenants[tenant], cost)
             ticket = Ticket(tier, tenant, cost, body.n, len(prompt_ids), arrival)
             await served.flow.acquire(ticket)  # waits while the model's replicas are saturated
+            for req in reqs:  # the replica's queue keeps the tier, and a tenant's only request goes first
+                req.priority = replica_priority(tier, ticket.crowded)
         except APIError as e:
             e.headers = {**limit_headers, **e.headers}
             m.REQUESTS.labels(label, endpoint, str(e.status)).inc()

@@ -19,7 +19,7 @@ from gateway.flow.fair_queue import Entry, FairQueue
 from gateway.flow.keys import KeySpec, parse_keys
 from gateway.flow.rate_limit import LocalBuckets, duration, verdict
 from gateway.flow.saturation import Capacity, Ledger, fleet_saturated, has_room, replica_full
-from gateway.flow.tiers import request_tier
+from gateway.flow.tiers import replica_priority, request_tier
 
 PRIORITY, DEFAULT, FLEX = 0, 1, 2
 
@@ -226,6 +226,27 @@ def test_admission_sends_in_order_as_seats_free():
     assert order[0] == "prio"  # priority first
     assert order.index("quiet") <= 2  # then fair share: the quiet tenant ahead of most of the flood
     assert [o for o in order if o.startswith("flood")] == ["flood0", "flood1", "flood2"]  # FIFO within
+
+
+def test_a_tenants_only_request_goes_first_in_the_replica_too():
+    """Once sent, requests meet in the replica's queue: the priority it reads keeps the tier first,
+    then puts a tenant's only request ahead of a tenant that already had others in flight."""
+    async def run():
+        flow = _controller(seats=8, enabled=False)  # off too: the replica's order is the same
+        flood = [Ticket("default", "flood", 100, 1, 50) for _ in range(3)]
+        for t in flood:
+            await flow.acquire(t)
+        quiet, anon, anon2 = Ticket("default", "quiet", 10, 1, 5), Ticket("default", None, 10, 1, 5), Ticket("default", None, 10, 1, 5)
+        for t in (quiet, anon, anon2):
+            await flow.acquire(t)
+        return flood, quiet, anon, anon2
+
+    flood, quiet, anon, anon2 = asyncio.run(run())
+    assert [t.crowded for t in flood] == [False, True, True] and not quiet.crowded
+    assert not anon.crowded and not anon2.crowded  # without API keys there is one flow: FIFO stays
+    ranks = sorted([(replica_priority(t.tier, t.crowded), i) for i, t in enumerate([*flood, quiet])])
+    assert [i for _, i in ranks] == [0, 3, 1, 2]  # flood's first, the quiet one, then the flood's others
+    assert replica_priority("priority", True) < replica_priority("default", False) < replica_priority("flex", False)
 
 
 def test_unstarted_prompt_tokens_hold_requests_until_started():

@@ -130,3 +130,29 @@ def test_a_long_prefill_leaves_room_for_a_short_prompt_behind_it():
     _step(plain)
     plain.add(short2)
     assert [c.seq for c in _step(plain)] == [long2]
+
+
+def test_an_urgent_prompt_does_not_wait_for_the_prefills_admitted_before_it():
+    """Two long prefills of priority 1 fill every step's budget; a short prompt of priority 0
+    arriving behind them is admitted and prefilled at the next step, and its decodes go first
+    after that. With equal priorities it waits for them (arrival order)."""
+    def run(urgent_priority: int) -> tuple[int, bool]:
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=32),
+                          BlockManager(512, BS))
+        floods = [_seq(list(range(1000 * k, 1000 * k + 400)), max_tokens=4) for k in (1, 2)]
+        for f in floods:
+            f.priority = 1
+            sched.add(f)
+        _step(sched)
+        short = _seq(list(range(9000, 9016)), max_tokens=4)
+        short.priority = urgent_priority
+        sched.add(short)
+        steps = 0
+        while short.num_tokens == 16:  # until its first token
+            _step(sched)
+            steps += 1
+        return steps, all(f.num_computed < 400 for f in floods)
+
+    assert run(0) == (1, True)  # at the next step, while both floods are still in prefill
+    steps, _ = run(1)
+    assert steps > 1

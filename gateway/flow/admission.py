@@ -41,6 +41,7 @@ class Ticket:
     tokens: int  # prompt tokens (pending prefill until its first token)
     arrival: float = field(default_factory=time.monotonic)
     sent: bool = False
+    crowded: bool = False  # sent while its tenant had others in flight (flow/tiers.py replica_priority)
     started_: bool = False
     done_: bool = False
 
@@ -129,6 +130,7 @@ class FlowController:
 
     def _send(self, ticket: Ticket) -> None:
         ticket.sent = True
+        ticket.crowded = ticket.flow is not None and self.ledger.flow(ticket.flow)[0] > 0  # anonymous: one flow
         self.ledger.in_flight += ticket.n
         self.ledger.unstarted_tokens += ticket.tokens
         self.ledger.unstarted += 1

@@ -12,9 +12,13 @@ RANK = {name: rank for rank, name in enumerate(TIERS)}
 ACCEPTED = ("auto", "default", "flex", "priority")  # what a request may name
 
 
-def tier_priority(tier: str) -> int:
-    """A tier as vLLM's integer priority for the replica's scheduler: -1, 0, 1 (lower first)."""
-    return RANK[tier] - RANK["default"]
+def replica_priority(tier: str, crowded: bool = False) -> int:
+    """The request's vLLM integer priority for the replica's scheduler (lower first): its tier
+    first (priority -2/-1, default 0/1, flex 2/3), then whether its tenant already had requests
+    in flight when it was sent (`crowded`). A tenant's only request so goes ahead, in the
+    replica's queue, of a flooding tenant's requests of the same tier, which the gateway alone
+    cannot order once they have been sent."""
+    return 2 * (RANK[tier] - RANK["default"]) + int(crowded)
 
 
 def invalid_tier(value: object):

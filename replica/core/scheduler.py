@@ -10,8 +10,10 @@ A request for a LoRA adapter is admitted only when its adapter can hold one of t
 `max_loras` slots; until then it waits and requests behind it go first (vLLM's rule).
 
 Priority (vLLM's `scheduling_policy="priority"`: lower values first, arrival order within one):
-waiting sequences are admitted in (priority, arrival) order, and the pool's victim is the
-running sequence last in that order. `long_prefill_token_threshold` (vLLM's) caps one
+waiting sequences are admitted, and running ones served each step, in (priority, arrival)
+order; the pool's victim is the running sequence last in that order; and a running prefill
+behind the waiting head's priority yields its step to that head, so a short urgent prompt does
+not wait for the prefills admitted before it. `long_prefill_token_threshold` (vLLM's) caps one
 prefill chunk while sequences wait, so a long prompt leaves part of every step's budget to
 those behind it: a short prompt that arrives during a long prefill starts within one step.
 """
@@ -82,16 +84,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
-        """The next step's chunks, following vLLM's rules: running sequences first (oldest
-        first), blocks reserved only for the tokens computed this step, and no admission in a
-        step that preempted (the preempted sequence waits at the head of the queue)."""
+        """The next step's chunks, following vLLM's rules: running sequences first (in
+        (priority, arrival) order), blocks reserved only for the tokens computed this step, and
+        no admission in a step that preempted (the preempted sequence waits at the head of the
+        queue)."""
         chunks: list[ScheduledChunk] = []
         budget = self.config.max_num_batched_tokens
         preempted = False
-        # 1. running sequences, oldest first: decodes and unfinished prefills
+        # 1. running sequences in (priority, arrival) order: decodes and unfinished prefills; a
+        #    prefill behind the waiting head's priority yields its chunk to that head (step 2)
+        head = self._admissible_head(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if head is not None and _order(head) < _order(seq) and seq.num_tokens - seq.num_computed > 1:
+                i += 1
+                continue
             n = self._chunk(seq, budget)
             fits, evicted = self._ensure_room(seq, seq.num_computed + n, i)
             preempted = preempted or evicted
@@ -119,12 +127,29 @@ class Scheduler:
                 seq.num_cached_tokens = cached
             seq.num_computed = cached
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             n = self._chunk(seq, budget)
             chunks.append(ScheduledChunk(seq, cached, cached + n))
             budget -= n
         self.waiting.extendleft(reversed(passed))
         return chunks
+
+    def _admissible_head(self, budget: int) -> Sequence | None:
+        """The waiting sequence step 2 would admit first, if it can be admitted now."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        if seq.adapter is not None and not self.adapters.can_admit(seq.adapter):
+            return None
+        return seq if self.blocks.can_allocate(seq.table, seq.num_tokens, budget) else None
+
+    def _run(self, seq: Sequence) -> None:
+        """Into `running` at its place in (priority, arrival) order: the next steps serve it there."""
+        key = _order(seq)
+        pos = len(self.running)
+        while pos and _order(self.running[pos - 1]) > key:
+            pos -= 1
+        self.running.insert(pos, seq)
 
     def _ensure_room(self, seq: Sequence, num_tokens: int, first: int) -> tuple[bool, bool]:
         """Give `seq` (running[first]) blocks for its first `num_tokens` tokens, preempting

@@ -72,8 +72,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # the LoRA adapter the request's `model` names (None: the base model); a replica without it
     # reads it from its path first (adapters loaded at run time reach replicas this way)
     adapter: AdapterRef | None = None
-    # vLLM's scheduling priority, lower first: the gateway's service tier (-1 priority, 0 default,
-    # 1 flex), so the replica's queue keeps the order the gateway's did
+    # vLLM's scheduling priority, lower first: the gateway's service tier, then whether the
+    # tenant had other requests in flight (gateway/flow/tiers.py replica_priority)
     priority: int = 0
 
 
