@@ -174,11 +174,11 @@ def test_has_room_from_the_ledger_and_the_heartbeats():
     def ledger(in_flight: int, tokens: int, unstarted: int) -> Ledger:  # all of tenant "f"'s
         return Ledger(in_flight, tokens, unstarted, {"f": [in_flight, unstarted]})
 
-    assert has_room(ledger(2, 1500, 2), 1, 500, None, CAP, 2, "f")  # 2 replicas x 1000 pending tokens
-    assert not has_room(ledger(2, 1500, 2), 1, 501, None, CAP, 2, "f")
-    assert has_room(ledger(1, 3000, 1), 1, 5000, None, CAP, 2, "f")  # one unstarted per replica always fits
-    assert not has_room(ledger(2, 3000, 2), 1, 10, None, CAP, 2, "f")
-    assert has_room(ledger(2, 3000, 2), 1, 10, None, CAP, 2, "quiet")  # a tenant with nothing pending goes
+    assert has_room(ledger(4, 1500, 4), 1, 500, None, CAP, 2, "f")  # 2 replicas x 1000 pending tokens
+    assert not has_room(ledger(4, 1500, 4), 1, 501, None, CAP, 2, "f")
+    assert has_room(ledger(3, 9000, 3), 1, 5000, None, CAP, 2, "f")  # two unstarted per replica always fit
+    assert not has_room(ledger(4, 9000, 4), 1, 10, None, CAP, 2, "f")
+    assert has_room(ledger(4, 9000, 4), 1, 10, None, CAP, 2, "quiet")  # a tenant with nothing pending goes
     # seats: a tenant with nothing in flight may use the headroom; the flood may not
     roomy = Capacity(8, 1000, 2, 0.05, headroom=2)
     assert not has_room(ledger(8, 0, 0), 1, 10, None, roomy, 2, "f")
@@ -252,16 +252,17 @@ def test_a_tenants_only_request_goes_first_in_the_replica_too():
 def test_unstarted_prompt_tokens_hold_requests_until_started():
     async def run():
         flow = FlowController(Capacity(10, 1000, 2, 0.0), 10, {"priority": 60, "default": 60, "flex": 60}, replicas=1)
-        a = Ticket("default", "t", 900, 1, 900)
+        a, b = Ticket("default", "t", 900, 1, 900), Ticket("default", "t", 900, 1, 900)
         await flow.acquire(a)
-        b = Ticket("default", "t", 900, 1, 900)
-        waiter = asyncio.create_task(flow.acquire(b))
+        await flow.acquire(b)  # over the budget, but a replica keeps one ready behind the one computing
+        c = Ticket("default", "t", 900, 1, 900)
+        waiter = asyncio.create_task(flow.acquire(c))
         while flow.depth() < 1:
             await asyncio.sleep(0)
-        assert not b.sent  # 900 + 900 pending prefill tokens > 1000 (one replica, one unstarted request)
+        assert not c.sent  # 3 x 900 pending prefill tokens > 1000, two unstarted on one replica
         flow.started(a)  # a's first token: its prompt is computed
         await waiter
-        assert b.sent and flow.ledger.unstarted_tokens == 900 and flow.ledger.unstarted == 1
+        assert c.sent and flow.ledger.unstarted_tokens == 1800 and flow.ledger.unstarted == 2
 
     asyncio.run(run())
 

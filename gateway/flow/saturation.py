@@ -79,6 +79,9 @@ def fleet_saturated(loads: list[dict[str, int]] | None, cap: Capacity) -> bool:
     return bool(loads) and all(replica_full(load, cap) for load in loads)
 
 
+PIPELINE = 2  # unstarted requests per replica that always go: one computing, one ready behind it
+
+
 def has_room(ledger: Ledger, n: int, tokens: int, loads: list[dict[str, int]] | None, cap: Capacity,
              replicas: int, flow=None) -> bool:
     """Whether a request of tenant `flow`, `n` streams and `tokens` prompt tokens may be sent now."""
@@ -88,10 +91,12 @@ def has_room(ledger: Ledger, n: int, tokens: int, loads: list[dict[str, int]] | 
     if ledger.in_flight + n > cap.max_in_flight + (cap.headroom if not seats else 0):
         return False  # a tenant with nothing in flight may use the headroom: it never waits for a flood's seats
     live = max(len(loads) if loads else replicas, 1)
-    # pending prefill: within the budget, or fewer unstarted requests than replicas (a prompt
-    # longer than a replica's budget still goes, one per replica at a time), or the tenant's
-    # first: a tenant with nothing pending never waits for another's prompts to start
-    if unstarted and ledger.unstarted >= live and ledger.unstarted_tokens + tokens > cap.prefill_tokens * live:
+    # pending prefill: within the budget, or fewer than PIPELINE unstarted requests per replica (a
+    # prompt longer than a replica's budget still goes, and the next is there when it starts, so
+    # a lone tenant never leaves a replica idle), or the tenant's first: a tenant with nothing
+    # pending never waits for another's prompts to start (and goes ahead of them in the
+    # replica's queue: flow/tiers.py replica_priority)
+    if unstarted and ledger.unstarted >= PIPELINE * live and ledger.unstarted_tokens + tokens > cap.prefill_tokens * live:
         return False
     return not fleet_saturated(loads, cap)
 
