@@ -129,15 +129,15 @@ class AppConfig:
     gateway_num_cpus: float = setting(0.25, help="Ray CPUs reserved per gateway")
     gateway_resources: dict[str, float] = setting(factory=dict, raw_keys=True, help='custom Ray resources per gateway, e.g. {"head_node": 0.01}')
     max_ongoing_requests: int = setting(32, help="per replica, in flight at once (Ray Serve's bound)")
-    max_queued_requests: int = setting(64, help="requests each gateway holds in its queue beyond what the replicas run "
-                                               "(flow control); past it the newest of the lowest tier's most over-share "
-                                               "tenant gets a 429 with Retry-After")
+    max_queued_requests: int = setting(64, help="per gateway and model: flow control on, the queue's size (past it the "
+                                               "newest of the lowest tier's most over-share tenant gets a 429 with "
+                                               "Retry-After); off, the requests in flight beyond what the replicas run")
     default_max_tokens: int = setting(256, help="max_tokens of a request that gives none")
     max_body_bytes: int = setting(4 * 2**20, help="largest request body accepted (413 beyond)")
     api_keys: dict[str, str | dict] = setting(factory=dict, cli="json-file",
                                               help="API key -> tenant, each tenant its own cache salt; set: 401 for others "
                                                    "(serve: a JSON file). A key may instead map to {tenant, weight, "
-                                                   "service_tier, max_service_tier, rpm, tpm} (docs/flow-control.md)")
+                                                   "service_tier, max_service_tier, rpm, tpm, admin} (docs/flow-control.md)")
     first_token_timeout_s: float = setting(300.0, help="a request not routed and started by then gets a 504")
     retry_attempts: int = setting(6, help="replica calls per request when replicas fail (retry / stream migration)")
     retry_budget_s: float = setting(90.0, help="from a request's first replica failure: then 503 with Retry-After")

@@ -238,7 +238,7 @@ class FlowController:
         return len(self.queue)
 
     def close(self) -> None:
-        """Refuse everything queued (503) and every later request that would have to queue."""
+        """Refuse everything queued (503), and every later request (acquire refuses once closed)."""
         self.closed = True
         for entry in list(self.queue):
             self._refuse(entry, "shutdown")

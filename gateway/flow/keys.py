@@ -28,7 +28,7 @@ class KeySpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=T
     service_tier: str = "default"  # for this key's requests that name none
     max_service_tier: str = "priority"  # the highest tier this key's requests are served at
     rpm: int | None = None  # the tenant's requests per minute, all gateways together
-    tpm: int | None = None  # the tenant's tokens per minute (prompt + max_tokens, at admission)
+    tpm: int | None = None  # the tenant's tokens per minute (prompt + n x max_tokens, at admission)
     admin: bool = False  # may load and unload LoRA adapters at run time (gateway/adapters.py)
 
 

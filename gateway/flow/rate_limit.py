@@ -2,7 +2,7 @@
 
 Each tenant with limits (`rpm`, `tpm` in the API-key file) has two token buckets in Redis,
 refilled continuously (a minute refills a whole limit); an admission takes one request and
-the request's tokens (prompt + max_tokens, OpenAI's estimate) from both at once in ONE script
+the request's tokens (prompt + n x max_tokens, OpenAI's estimate) from both at once in ONE script
 call (router/protocol/redis_schema.py RATE_LIMIT_SCRIPT), or from neither. Refused: 429 with
 Retry-After and code `rate_limit_exceeded`. Every response of a limited tenant carries
 OpenAI's headers: x-ratelimit-{limit,remaining,reset}-{requests,tokens}, resets as durations
