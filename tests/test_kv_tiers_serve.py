@@ -59,9 +59,15 @@ def test_prefix_evicted_to_host_is_published_routed_and_hit(stack):
                   lambda: {h for h, m in _entries(client, keys, home).items() if m == HOST} & ours)
     h = next(iter(moved))
     assert client.sismember(keys.block(h), member(home, HOST)) and not client.sismember(keys.block(h), home)
-    # the same prefix again, from a new session: routed to the replica whose host tier has it
+    # the same prefix again, from a new session: routed to the replica whose host tier has it,
+    # once that replica's heartbeat (the load the router prices) shows the fillers gone
+    def idle() -> bool:
+        beat = client.hgetall(keys.heartbeat(home))
+        return bool(beat) and all(int(beat.get(f, 0)) == 0 for f in ("running", "waiting", "pending_prefill_tokens"))
+
+    _wait("the home replica's heartbeat never showed it idle", idle)
     again = ask(question[:1] + [{"role": "user", "content": "And on Sundays?"}], session=f"tiers-new-{tag}")
-    assert again.headers["x-prefixgate-replica"] == home
+    assert again.headers["x-prefixgate-replica"] == home, (again.headers.get("x-prefixgate-route"), home)
     # the system prompt alone is 121 tokens: at least 7 full blocks, served from the host tier
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 7
     beat = _wait("the heartbeat never reported a measured host copy rate",
