@@ -11,7 +11,7 @@ from gateway.app import vllm_settings
 from gateway.config import AppConfig
 from gateway.openai_models import CompletionRequest
 from replica.backends.engine_protocol import Capabilities, EngineBackend, ModelFacts
-from replica.backends.local_backend import LocalBackend
+from replica.backends.local_backend import ModelBackend, SimBackend
 from replica.model.sampler import Sampler
 from replica.serve.replica_settings import ReplicaSettings
 from router.decider import Decider
@@ -106,8 +106,8 @@ def test_our_backends_implement_the_protocol_and_declare_pulls(tiny_model_dirs):
     from replica.backends.sim_engine import SimEngine
     from replica.engine import LLMEngine
 
-    sim = LocalBackend(SimEngine(num_blocks=32), "sim")
-    real = LocalBackend(LLMEngine(next(iter(tiny_model_dirs.values())), num_blocks=32), "model")
+    sim = SimBackend(SimEngine(num_blocks=32))
+    real = ModelBackend(LLMEngine(next(iter(tiny_model_dirs.values())), num_blocks=32))
     try:
         for backend in (sim, real):
             assert isinstance(backend, EngineBackend)
@@ -115,6 +115,62 @@ def test_our_backends_implement_the_protocol_and_declare_pulls(tiny_model_dirs):
             assert backend.capabilities.kv_pull
         assert real.capabilities.logprobs and not sim.capabilities.logprobs
         assert not Capabilities().kv_pull
+        assert (sim.facts.engine, real.facts.engine) == ("sim", "model")
+        assert sim.pull_peer("r", 1.0) is None and real.pull_peer("r", 1.0) is not None  # only real bytes move
+        assert "step_lag" in sim.info_extra() and "kv_pull_bytes_per_s" in sim.load_extra()
     finally:
         sim.shutdown()
         real.shutdown()
+
+
+class _Record:
+    done = False
+
+    def output(self, out) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _stream_host(backend, replica_id: str = "me"):
+    """The parts of a replica a request's stream reads (replica/serve/request_stream.py StreamHost)."""
+    from types import SimpleNamespace
+
+    from replica.serve.replica_settings import ReplicaSettings
+
+    return SimpleNamespace(replica_id=replica_id, draining=False, backend=backend, kv_pull=None,
+                           metrics=SimpleNamespace(request=_Record), settings=ReplicaSettings(sim={}))
+
+
+def test_a_pull_hint_reaches_the_sim_engine_as_a_typed_extra_and_only_from_another_replica():
+    """The request stream hands the backend a RequestExtras: the sim engine models a pull named
+    by a hint from another replica, none from a hint naming itself; a request the backend cannot
+    honour (logprobs on the sim engine) is a 400 that names the field."""
+    import asyncio
+
+    from replica.backends.sim_engine import SimEngine
+    from replica.serve.request_stream import request_chunks
+    from router.protocol.messages import (
+        EndChunk,
+        ErrorChunk,
+        GenerateRequest,
+        KvSource,
+        RouteDecision,
+    )
+
+    backend = SimBackend(SimEngine(num_blocks=64))
+    host = _stream_host(backend)
+
+    async def run(route, **params) -> list:
+        req = GenerateRequest(prompt_token_ids=list(range(100, 180)), params=SamplingParams(max_tokens=2, **params))
+        return [c async for c in request_chunks(host, req, route)]
+
+    try:
+        hint = RouteDecision(policy="affinity-pull", reason="pull", replica="me", pull=KvSource("other", 3))
+        chunks = asyncio.run(run(hint))
+        assert isinstance(chunks[-1], EndChunk) and backend.engine.engine.pulls == 1
+        own = RouteDecision(policy="affinity-pull", reason="pull", replica="me", pull=KvSource("me", 3))
+        assert isinstance(asyncio.run(run(own))[-1], EndChunk) and backend.engine.engine.pulls == 1
+        refused = asyncio.run(run(None, logprobs=1))[-1]
+        assert isinstance(refused, ErrorChunk) and refused.code == 400 and "logprobs" in refused.message
+    finally:
+        backend.shutdown()

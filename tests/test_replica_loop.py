@@ -46,7 +46,7 @@ def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
 
     async def scenario():
         replica = await _make_replica(settings)
-        eng = replica.engine
+        eng = replica.backend.engine
         try:
             await _until(lambda: replica.publisher.stats.resyncs > 0, "the first publish")
             tok = eng.engine.tokenizer

@@ -71,6 +71,43 @@ class ModelFacts:
         return self.num_blocks * self.block_size
 
 
+@dataclass(frozen=True)
+class RequestExtras:
+    """What a request brings beyond its prompt, params, adapter and priority, typed so that each
+    backend reads the fields it declares and a new one is a change here, not a stray keyword.
+
+    - `prefix_output_token_ids`, `prefix_text_len`: a stream migrated from another replica
+      continues after the tokens (and the text) its client already has; every backend reads
+      them where `capabilities.continuation`.
+    - `kv_prefix`: K/V blocks a pull brought from another replica (replica/kv_io/kv_transfer.py
+      `KvBlocks`), imported before the prefill; read by our paged engine.
+    - `pull_blocks`: the router's pull hint named this many leading blocks on another replica;
+      the sim engine models that pull's cost (replica/backends/sim_engine.py), the paged engine
+      gets the bytes in `kv_prefix` instead.
+    """
+
+    prefix_output_token_ids: Sequence[int] = ()
+    prefix_text_len: int | None = None
+    kv_prefix: Any = None
+    pull_blocks: int = 0
+
+
+NO_EXTRAS = RequestExtras()
+
+
+class KvPullPeer(Protocol):
+    """A backend's side of K/V pulls that move bytes (replica/kv_io/kv_pull.py `KvPuller`): it
+    pulls a hinted prefix before a request runs and exports this replica's blocks to others."""
+
+    async def pull(self, source: Any, prompt: list[int], cache_salt: str | None, adapter: str | None = None) -> Any: ...
+
+    async def export(self, hashes: list[int], token_ids: list[int], first: int) -> Any: ...
+
+    def observe(self, out: RequestOutput) -> None: ...
+
+    def snapshot(self) -> Any: ...
+
+
 @runtime_checkable
 class EngineBackend(Protocol):
     facts: ModelFacts
@@ -84,14 +121,23 @@ class EngineBackend(Protocol):
         cache_salt: str | None = None,
         adapter: AdapterRef | None = None,
         priority: int = 0,
-        **extra: Any,
+        extras: RequestExtras = NO_EXTRAS,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's deltas; the last has finished=True. Raises InvalidRequestError
         before anything runs for a request the engine refuses, EngineDeadError when it stops.
         `adapter`: the LoRA adapter to run under (where `capabilities.lora`), read first if new.
         `priority`: vLLM's scheduling priority (lower first), the gateway's service tier.
-        `extra`: prefix_output_token_ids/prefix_text_len (a migrated stream), kv_prefix (pulled
-        K/V), kv_pull_blocks (a modelled pull) where the capabilities say so."""
+        `extras`: a migrated stream's sent output, pulled or hinted K/V (`RequestExtras`)."""
+        ...
+
+    def pull_peer(self, replica_id: str, timeout_s: float) -> KvPullPeer | None:
+        """The peer that moves K/V bytes for this replica's pulls and exports, or None where
+        this backend does not (the sim engine models pulls, vLLM's does not pull)."""
+        ...
+
+    def step_progress(self) -> tuple[int, int]:
+        """(steps started, steps finished): the heartbeat records them to show that it goes on
+        while a long step runs (tests/test_replica_loop.py)."""
         ...
 
     async def add_adapter(self, adapter: AdapterRef) -> None:

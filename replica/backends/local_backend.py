@@ -1,7 +1,8 @@
 """Our own engines behind the seam: the paged engine (`model`) and the simulated one (`sim`).
 
-Both run on AsyncLLMEngine's step thread; the real engine exports and imports K/V for pulls,
-the simulated one models pulls (its heartbeat carries the modelled rates) and imports no torch.
+Both run on AsyncLLMEngine's step thread (`LocalBackend`); `ModelBackend` exports and imports
+K/V for pulls, `SimBackend` models pulls (its heartbeat carries the modelled rates) and imports
+no torch. Which one runs is the factory's choice (replica/serve/replica_settings.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from replica.async_engine import AsyncLLMEngine
-from replica.backends.engine_protocol import Capabilities, ModelFacts
+from replica.backends.engine_protocol import (
+    NO_EXTRAS,
+    Capabilities,
+    KvPullPeer,
+    ModelFacts,
+    RequestExtras,
+)
 from replica.core.engine_types import EngineStats, RequestOutput
 from replica.engine_config import EngineConfig
 from replica.kvcache.block_manager import KVEventListener
@@ -20,62 +27,48 @@ from router.protocol.lora import AdapterRef
 from router.protocol.sampling import SamplingParams
 
 
-def kv_bytes_per_token(engine) -> int:
-    """K/V bytes one token occupies: the sim engine's modelled figure, or the real pool's
-    (k + v over its slots); 0 when unknown. The router prices pulls with it."""
-    modelled = getattr(engine.config, "kv_bytes_per_token", None)
-    if modelled is not None:
-        return int(modelled)
-    pool = engine.runner.pool
-    return int((pool.k.nbytes + pool.v.nbytes) // pool.k.shape[2])
-
-
 class LocalBackend:
-    """An LLMEngine or SimEngine on its own step thread."""
+    """An engine of ours (LLMEngine or SimEngine) on its own step thread: what both share.
+    `ModelBackend` and `SimBackend` below say what differs, so nothing here asks which it is."""
 
-    def __init__(self, engine, name: str) -> None:
-        self.engine = AsyncLLMEngine(engine)  # tests and replica/kv_io/kv_pull.py reach the engine here
+    name = ""  # one of ENGINE_NAMES, set by each subclass
+
+    def __init__(self, engine) -> None:
+        self.engine = AsyncLLMEngine(engine)  # replica/kv_io/kv_pull.py and engine tests drive it directly
         self.facts = ModelFacts(
-            engine=name, model_id=engine.model_id, max_model_len=engine.max_model_len,
+            engine=self.name, model_id=engine.model_id, max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size, block_size=engine.config.block_size,
-            num_blocks=engine.blocks.num_blocks, kv_bytes_per_token=kv_bytes_per_token(engine),
+            num_blocks=engine.blocks.num_blocks, kv_bytes_per_token=self._kv_bytes_per_token(engine),
         )
-        real = name == "model"  # the sim engine models pulls (its heartbeat carries modelled rates)
-        self.capabilities = Capabilities(kv_export=True, kv_import=True, logprobs=real, grammar=real,
-                                         lora=engine.adapter_slots is not None)
+        self.capabilities = self._capabilities(engine)
 
-    @classmethod
-    async def create(cls, engine_config: EngineConfig, sim: dict | None, torch_threads: int) -> LocalBackend:
-        if sim is not None:
-            from replica.backends.sim_engine import SimEngine
-            from replica.engine_config import SimEngineConfig
+    def _kv_bytes_per_token(self, engine) -> int:
+        raise NotImplementedError
 
-            return cls(SimEngine(SimEngineConfig(**sim)), "sim")
-        import torch
+    def _capabilities(self, engine) -> Capabilities:
+        raise NotImplementedError
 
-        from replica.engine import LLMEngine
-
-        torch.set_num_threads(torch_threads)
-        return cls(await asyncio.to_thread(LLMEngine, config=engine_config), "model")
+    def _engine_kwargs(self, extras: RequestExtras) -> dict[str, Any]:
+        """`extras` as the engine's add_request takes them."""
+        raise NotImplementedError
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
                  cache_salt: str | None = None, adapter: AdapterRef | None = None, priority: int = 0,
-                 **extra: Any) -> AsyncIterator[RequestOutput]:
+                 extras: RequestExtras = NO_EXTRAS) -> AsyncIterator[RequestOutput]:
+        kwargs = {"priority": priority, **self._engine_kwargs(extras)}
         if adapter is None:
-            return self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
-                                        priority=priority, **extra)
-        return self._generate_adapter(adapter, prompt_token_ids, params, request_id, cache_salt,
-                                      {**extra, "priority": priority})
+            return self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, **kwargs)
+        return self._generate_adapter(adapter, prompt_token_ids, params, request_id, cache_salt, kwargs)
 
     async def _generate_adapter(self, adapter: AdapterRef, prompt_token_ids, params, request_id, cache_salt,
-                                extra: dict) -> AsyncIterator[RequestOutput]:
+                                kwargs: dict) -> AsyncIterator[RequestOutput]:
         """Under a LoRA adapter, read from its directory first if this replica lacks it (one
         loaded at run time, or on a replica started since). An adapter already served costs no
         round trip to the step thread (a dict read; the add re-checks there)."""
         if self.engine.engine.adapters.get(adapter.name) != adapter:
             await self.engine.submit(lambda engine: serve_adapter(engine, adapter))
         stream = self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
-                                      adapter=adapter.name, **extra)
+                                      adapter=adapter.name, **kwargs)
         async with contextlib.aclosing(stream) as outputs:
             async for out in outputs:
                 yield out
@@ -90,19 +83,17 @@ class LocalBackend:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def step_progress(self) -> tuple[int, int]:
+        return self.engine.steps_started, self.engine.steps_finished
+
+    def pull_peer(self, replica_id: str, timeout_s: float) -> KvPullPeer | None:
+        return None
+
     def load_extra(self) -> dict[str, int | float]:
-        e = self.engine.engine
-        extra: dict[str, int | float] = {}
-        lag = getattr(e, "lag", None)  # sim engine: the fleet harness reads every replica's
-        if lag is not None and lag.modelled_s > 0:
-            extra["step_lag"] = round(lag.actual_s / lag.modelled_s - 1, 4)  # time-weighted, since start
-        if hasattr(e, "pull_rates"):  # sim engine: its modelled rates
-            extra.update(e.pull_rates())
-        return extra
+        return {}
 
     def info_extra(self) -> dict[str, Any]:
-        e = self.engine.engine
-        return {"step_lag": e.step_lag() if hasattr(e, "step_lag") else None}
+        return {"step_lag": None}
 
     def add_listener(self, listener: KVEventListener) -> None:
         self.engine.engine.add_listener(listener)
@@ -123,6 +114,73 @@ class LocalBackend:
     @property
     def alive(self) -> bool:
         return self.engine.alive
+
+
+class ModelBackend(LocalBackend):
+    """Our paged engine: real K/V, exported to and imported from other replicas' pulls."""
+
+    name = "model"
+
+    @classmethod
+    async def create(cls, engine_config: EngineConfig, torch_threads: int) -> ModelBackend:
+        import torch
+
+        from replica.engine import LLMEngine
+
+        torch.set_num_threads(torch_threads)
+        return cls(await asyncio.to_thread(LLMEngine, config=engine_config))
+
+    def _kv_bytes_per_token(self, engine) -> int:
+        pool = engine.runner.pool  # k + v over the pool's slots
+        return int((pool.k.nbytes + pool.v.nbytes) // pool.k.shape[2])
+
+    def _capabilities(self, engine) -> Capabilities:
+        return Capabilities(kv_export=True, kv_import=True, lora=engine.adapter_slots is not None)
+
+    def _engine_kwargs(self, extras: RequestExtras) -> dict[str, Any]:
+        return {"prefix_output_token_ids": extras.prefix_output_token_ids, "prefix_text_len": extras.prefix_text_len,
+                "kv_prefix": extras.kv_prefix}
+
+    def pull_peer(self, replica_id: str, timeout_s: float) -> KvPullPeer | None:
+        from replica.kv_io import kv_pull
+
+        return kv_pull.for_replica(self.engine, replica_id, kv_pull.KvPullConfig(timeout_s))
+
+
+class SimBackend(LocalBackend):
+    """The simulated engine: no torch, no model; pulls and steps are modelled, and its heartbeat
+    carries the modelled pull rates and how far its steps lag the model."""
+
+    name = "sim"
+
+    @classmethod
+    async def create(cls, sim: dict) -> SimBackend:
+        from replica.backends.sim_engine import SimEngine
+        from replica.engine_config import SimEngineConfig
+
+        return cls(SimEngine(SimEngineConfig(**sim)))
+
+    def _kv_bytes_per_token(self, engine) -> int:
+        return int(engine.config.kv_bytes_per_token)  # modelled
+
+    def _capabilities(self, engine) -> Capabilities:
+        # it models pulls (so routers send it hints), but has no logits or grammar to honour
+        return Capabilities(kv_export=True, kv_import=True, logprobs=False, grammar=False,
+                            lora=engine.adapter_slots is not None)
+
+    def _engine_kwargs(self, extras: RequestExtras) -> dict[str, Any]:
+        return {"prefix_output_token_ids": extras.prefix_output_token_ids, "prefix_text_len": extras.prefix_text_len,
+                "kv_pull_blocks": extras.pull_blocks}
+
+    def load_extra(self) -> dict[str, int | float]:
+        e = self.engine.engine
+        extra: dict[str, int | float] = dict(e.pull_rates())
+        if e.lag.modelled_s > 0:  # the fleet harness reads every replica's, time-weighted since start
+            extra["step_lag"] = round(e.lag.actual_s / e.lag.modelled_s - 1, 4)
+        return extra
+
+    def info_extra(self) -> dict[str, Any]:
+        return {"step_lag": self.engine.engine.step_lag()}
 
 
 def serve_adapter(engine, adapter: AdapterRef) -> None:

@@ -44,7 +44,13 @@ import zmq
 import zmq.asyncio
 
 from replica.async_engine import EngineDeadError
-from replica.backends.engine_protocol import Capabilities, ModelFacts
+from replica.backends.engine_protocol import (
+    NO_EXTRAS,
+    Capabilities,
+    KvPullPeer,
+    ModelFacts,
+    RequestExtras,
+)
 from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings
 from replica.core.engine_types import EngineStats, InvalidRequestError, RequestOutput
 from replica.core.request_metrics import RequestMetrics
@@ -247,17 +253,18 @@ class VllmBackend:
         )
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None, prefix_output_token_ids: Sequence[int] = (),
-                       prefix_text_len: int | None = None, adapter: AdapterRef | None = None,
-                       priority: int = 0, **_: Any) -> AsyncIterator[RequestOutput]:
-        """A migrated stream (prefix_output_token_ids) continues as a longer prompt: vLLM computes
-        or hits the earlier output, and the text the client has not seen yet leads the first delta.
+                       cache_salt: str | None = None, adapter: AdapterRef | None = None,
+                       priority: int = 0, extras: RequestExtras = NO_EXTRAS) -> AsyncIterator[RequestOutput]:
+        """A migrated stream (`extras.prefix_output_token_ids`) continues as a longer prompt: vLLM
+        computes or hits the earlier output, and the text the client has not seen yet leads the
+        first delta. No pulls reach it (its capabilities declare none), so the K/V fields are unread.
         Under a LoRA `adapter`, vLLM loads it first if it has not taken it yet (its refusal is an
         InvalidRequestError with vLLM's words)."""
         if self._stopped:
             raise EngineDeadError("engine is shut down")
         prompt = list(prompt_token_ids)
-        prefix = list(prefix_output_token_ids)
+        prefix = list(extras.prefix_output_token_ids)
+        prefix_text_len = extras.prefix_text_len
         self.validate(prompt, params, prefix)
         if request_id in self._inflight:
             raise InvalidRequestError(f"duplicate request id {request_id}")
@@ -468,6 +475,13 @@ class VllmBackend:
             pending_prefill_tokens=sum(r.prompt_tokens for r in unstarted), steps=fig.steps,
             generated_tokens=self._generated,
         )
+
+    def step_progress(self) -> tuple[int, int]:
+        steps = self.figures.steps  # vLLM reports a step once it is done
+        return steps, steps
+
+    def pull_peer(self, replica_id: str, timeout_s: float) -> KvPullPeer | None:
+        return None  # vLLM's cache is not ours to export or import
 
     def load_extra(self) -> dict[str, int | float]:
         return {}

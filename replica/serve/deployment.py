@@ -51,11 +51,8 @@ class PrefixCacheReplica:
         facts = self.backend.facts
         self.metrics = ReplicaMetrics(facts.model_id, facts.max_model_len)  # vLLM's names, through Ray
         self._gauges = asyncio.create_task(self.metrics.run_gauges(self.backend.stats))
-        self.kv_pull = None  # pulls of K/V from other replicas (engines that export and import it)
-        if self.backend.capabilities.kv_pull and facts.engine == "model":
-            from replica.kv_io import kv_pull
-
-            self.kv_pull = kv_pull.for_replica(self.backend.engine, self.replica_id, kv_pull.KvPullConfig(self.settings.kv_pull_timeout_s))
+        # pulls of K/V bytes from other replicas, and exports to theirs (None where the backend moves none)
+        self.kv_pull = self.backend.pull_peer(self.replica_id, self.settings.kv_pull_timeout_s)
         self.publisher: BlockPublisher | None = None
         self.draining = False
         # (steps started, steps finished) at each heartbeat: shows beats while a step runs
@@ -75,11 +72,6 @@ class PrefixCacheReplica:
             self.backend.add_listener(self.publisher)
             self.publisher.start()
         log.info("replica %s ready (%s engine, pid %d)", self.replica_id, facts.engine, os.getpid())
-
-    @property
-    def engine(self):
-        """Our engines' AsyncLLMEngine (tests and replica/kv_io/kv_pull.py drive it directly)."""
-        return self.backend.engine
 
     async def _snapshot(self) -> list[tuple[int, int, str]]:
         """The cached set for a full resync, taken between steps (never blocks this loop)."""

@@ -18,9 +18,7 @@ def build_heartbeat(backend: EngineBackend, puller: PullLoad | None,
     shows that heartbeats go on while a long step runs (tests/test_replica_loop.py)."""
     s = backend.stats()  # a snapshot: answers at once even during a long step
     if beats is not None:
-        engine = getattr(backend, "engine", None)
-        counters = (engine.steps_started, engine.steps_finished) if hasattr(engine, "steps_started") else (s.steps, s.steps)
-        beats.append(counters)
+        beats.append(backend.step_progress())
     load: dict[str, int | float] = {
         "running": s.running,
         "waiting": s.waiting,

@@ -50,6 +50,10 @@ async def create_backend(settings: ReplicaSettings) -> EngineBackend:
         from replica.backends.vllm_backend import VllmBackend, VllmSettings
 
         return await VllmBackend.create(settings.engine, VllmSettings(**settings.vllm), settings.torch_threads)
-    from replica.backends.local_backend import LocalBackend
+    if name == "sim":
+        from replica.backends.local_backend import SimBackend
 
-    return await LocalBackend.create(settings.engine, settings.sim, settings.torch_threads)
+        return await SimBackend.create(settings.sim)
+    from replica.backends.local_backend import ModelBackend
+
+    return await ModelBackend.create(settings.engine, settings.torch_threads)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import msgspec
 
 from replica.async_engine import EngineDeadError
+from replica.backends.engine_protocol import NO_EXTRAS, EngineBackend, KvPullPeer, RequestExtras
 from replica.core.engine_types import InvalidRequestError, UnknownAdapterError
 from replica.serve.keepalive import with_keepalive
 from replica.serve.stream_batcher import batched_outputs
@@ -38,9 +39,9 @@ class StreamHost(Protocol):
 
     replica_id: str
     draining: bool
-    backend: Any  # EngineBackend
+    backend: EngineBackend
     metrics: Any  # ReplicaMetrics
-    kv_pull: Any  # the K/V-pull peer, or None
+    kv_pull: KvPullPeer | None  # moves pulled K/V bytes, where the backend does
     settings: Any  # ReplicaSettings
 
 
@@ -59,7 +60,7 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
                                                        request.adapter is not None)
         if refused is not None:
             raise InvalidRequestError(refused)
-        extras: dict = {}
+        extras = NO_EXTRAS
         # a pull hint can take up to kv_pull_timeout_s: keepalives go out meanwhile too
         async with contextlib.aclosing(with_keepalive(_once(_engine_extras(replica, request, route)), KEEPALIVE_S)) as prep:
             async for got in prep:
@@ -69,7 +70,7 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
                     extras = got
         stream = replica.backend.generate(
             request.prompt_token_ids, request.params, request_id=request.request_id,
-            cache_salt=request.cache_salt, adapter=request.adapter, priority=request.priority, **extras,
+            cache_salt=request.cache_salt, adapter=request.adapter, priority=request.priority, extras=extras,
         )
         batched = batched_outputs(stream, replica.settings.stream_interval_s, KEEPALIVE_S)
         async with contextlib.aclosing(batched) as outputs:
@@ -93,23 +94,20 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
         rec.close()  # ended without finishing (client gone, engine failed): counted as abort
 
 
-async def _once(awaitable: Awaitable[dict]) -> AsyncIterator[dict]:
+async def _once(awaitable: Awaitable[RequestExtras]) -> AsyncIterator[RequestExtras]:
     yield await awaitable
 
 
-async def _engine_extras(replica: StreamHost, request: GenerateRequest, route: RouteDecision | None) -> dict:
-    """Keyword arguments for the backend beyond the prompt: a migrated stream's sent tokens, and
-    the K/V the router's pull hint brought (or, on a sim replica, the pull it models)."""
-    extra: dict = {}
-    if request.prefix_output_token_ids:  # a stream migrated from another replica
-        extra = {"prefix_output_token_ids": request.prefix_output_token_ids,
-                 "prefix_text_len": request.prefix_text_len}
+async def _engine_extras(replica: StreamHost, request: GenerateRequest, route: RouteDecision | None) -> RequestExtras:
+    """What the backend gets beyond the prompt: a migrated stream's sent tokens, the router's
+    pull hint, and the K/V it brought where this replica's backend moves bytes (`kv_pull`)."""
     pull = route.pull if route is not None else None
-    if pull is not None and replica.kv_pull is not None:
+    pull_blocks = pull.num_blocks if pull is not None and pull.replica_id != replica.replica_id else 0
+    kv = None
+    if pull_blocks and replica.kv_pull is not None:
         adapter = request.adapter.identity if request.adapter is not None else None
         kv = await replica.kv_pull.pull(pull, request.prompt_token_ids, request.cache_salt, adapter)
-        if kv is not None:
-            extra["kv_prefix"] = kv  # imported with the request's own add, on the engine thread
-    if pull is not None and replica.settings.sim is not None and pull.replica_id != replica.replica_id:
-        extra["kv_pull_blocks"] = pull.num_blocks  # modelled pull (replica/backends/sim_engine.py)
-    return extra
+    migrated = bool(request.prefix_output_token_ids)  # a stream continued from another replica
+    return RequestExtras(prefix_output_token_ids=request.prefix_output_token_ids if migrated else (),
+                         prefix_text_len=request.prefix_text_len if migrated else None, kv_prefix=kv,
+                         pull_blocks=pull_blocks)
