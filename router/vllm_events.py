@@ -1,18 +1,18 @@
-"""Feeds our shared index from a vLLM replica's KV-event stream (ZMQ PUB, see
-router.protocol.events): a vLLM fleet becomes routable by PrefixGateRouter without changes
-to vLLM.
+"""Translates a vLLM engine's KV-event stream (ZMQ PUB, see router.protocol.events) into our
+block events: a vLLM replica (replica/backends/vllm_backend.py) publishes through the same
+BlockPublisher as our engine, so PrefixGateRouter routes vLLM replicas without changes to vLLM.
 
 vLLM's block hashes are seeded per process, so they are not ours and may differ between two
-vLLM replicas holding the same prefix. The adapter re-hashes every stored block from the
+vLLM replicas holding the same prefix. The translator re-hashes every stored block from the
 event's token ids with our spec, chaining from the parent's re-hashed value (kept in a map
-vLLM hash -> ours), and publishes our hashes for the replica the stream belongs to. Removals
-and clears go through the same map. A heartbeat without load fields keeps the replica alive
-for garbage collection while its load stays *unknown* to routers (vLLM's events carry none).
+vLLM hash -> ours), and hands our hashes to its listeners. Removals and clears go through the
+same map. `pump_events` is the receiving loop: one ZMQ message at a time, counted gaps and bad
+messages included.
 
 Each event names its medium ("GPU", or "CPU" for vLLM's offloading connector: the same vLLM
 hash, with no tokens). vLLM may hold a block on the GPU and a CPU copy of it at once, while our
 index lists a replica once per block (router/protocol/media.py): the adapter tracks every
-medium vLLM holds a block in and publishes the fastest, so a GPU eviction of a block with a
+medium vLLM holds a block in and reports the fastest, so a GPU eviction of a block with a
 CPU copy becomes a move to the host tier (removed from the pool, stored in the host tier).
 An event in a medium we do not know is counted and skipped.
 """
@@ -27,8 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.index.index_writer import Event, IndexWriter
-from router.index.redis_index import Client, open_client
+from router.index.index_writer import Event
 from router.protocol.events import (
     AllBlocksCleared,
     BlockHash,
@@ -40,31 +39,12 @@ from router.protocol.events import (
 )
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.media import DEVICE, MEDIA, UnknownMedium, parse_medium
-from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS, RedisKeys
-from router.router_options import PUBLISH_DEPTH
 
 log = logging.getLogger("prefixgate.vllm_events")
 
 
 @dataclass
-class AdapterConfig:
-    endpoint: str  # the vLLM replica's KV-events PUB socket, e.g. tcp://127.0.0.1:5557
-    replica_id: str  # the id routers know this replica by
-    redis_url: str
-    model_id: str  # our hash spec's seed: must match the router's model_id
-    key_prefix: str = DEFAULT_KEY_PREFIX
-    block_size: int = 16  # must match vLLM's block size and the router's
-    depth: int = PUBLISH_DEPTH  # leading blocks of a prompt published (as our publisher does)
-    cache_salt: str | None = None
-    topic: bytes = b""
-    buckets: int = INDEX_BUCKETS
-    heartbeat_s: float = 0.5
-    heartbeat_ttl_s: float = 3.0
-    timeout_s: float = 0.5
-
-
-@dataclass
-class AdapterStats:
+class TranslatorStats:
     batches: int = 0
     stored: int = 0  # blocks published as stored (a move to the host tier included)
     removed: int = 0  # blocks vLLM removed from one of its media
@@ -109,7 +89,7 @@ class EventTranslator:
         self._blocks: dict[BlockHash, _Block] = {}  # vLLM hash -> ours, position, media
         self._held: set[int] = set()  # our hashes of what vLLM holds, in any medium
         self._unknown_seen: set[str | None] = set()  # unknown media already logged
-        self.stats = AdapterStats()
+        self.stats = TranslatorStats()
 
     def leading_held(self, hashes: list[int]) -> int:
         """How many of a prompt's leading blocks (our hashes) vLLM holds now, in any medium
@@ -241,93 +221,29 @@ class EventTranslator:
         return [("-", b, m) for m, b in removed.items()] + [("+", b, m) for m, b in added.items()]
 
 
-class VllmEventAdapter:
-    """Subscribes to one vLLM replica's events and keeps its entries in our index."""
-
-    def __init__(self, config: AdapterConfig) -> None:
-        self.config = config
-        self.keys = RedisKeys(config.key_prefix, config.buckets)
-        self.translator = EventTranslator(config.model_id, config.block_size, config.depth, config.cache_salt)
-        self.stats = self.translator.stats
-        self._client: Client | None = None
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self, unregister: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=2.0)
-        if self._client is not None:
-            if unregister:
-                try:
-                    await asyncio.wait_for(IndexWriter(self._client, self.keys).retract(self.config.replica_id), 2.0)
-                except Exception:
-                    pass
-            try:
-                await asyncio.wait_for(self._client.aclose(), 1.0)
-            except Exception:
-                pass
-
-    async def _run(self) -> None:
-        cfg = self.config
-        self._client = await open_client(cfg.redis_url, cfg.timeout_s)
-        writer = IndexWriter(self._client, self.keys)
-        # forget an earlier incarnation's entries; the heartbeat task registers the replica
-        await writer.replace(cfg.replica_id, [], register=False)
-        ctx = zmq.asyncio.Context.instance()
-        sock = ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, cfg.topic)
-        sock.connect(cfg.endpoint)
-        beat = asyncio.get_running_loop().create_task(self._beat(writer))
+async def pump_events(sock: zmq.asyncio.Socket, translator: EventTranslator, listeners: list) -> None:
+    """vLLM's KV events from `sock` (a SUB socket connected to its publisher) -> our hashes ->
+    `listeners` (a replica's BlockPublisher), until the socket closes or the task is cancelled.
+    A message of the wrong shape or a payload that does not decode is counted, never fatal;
+    a jump in vLLM's sequence numbers is counted as gaps (events the index missed until the
+    next resync)."""
+    stats = translator.stats
+    while True:
         try:
-            while True:
-                try:
-                    parts = await asyncio.wait_for(sock.recv_multipart(), cfg.heartbeat_s)
-                except TimeoutError:
-                    continue
-                await self._handle(writer, parts)
-        finally:
-            beat.cancel()
-            sock.close()
-
-    async def _handle(self, writer: IndexWriter, parts: list[bytes]) -> None:
+            parts = await sock.recv_multipart()
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
         if len(parts) != 3:
-            self.stats.bad_messages += 1
-            return
-        _, seq_raw, payload = parts
+            stats.bad_messages += 1
+            continue
         try:
-            batch = decode_batch(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            self.stats.bad_messages += 1
-            return
-        seq = seq_from_bytes(seq_raw)
-        if self.stats.last_seq >= 0 and seq > self.stats.last_seq + 1:
-            self.stats.gaps += seq - self.stats.last_seq - 1
-        self.stats.last_seq = seq
-        self.stats.batches += 1
-        writes = self.translator.translate(batch)
-        rid = self.config.replica_id
-        pending: list[Event] = []
-        for op, hashes, medium in writes:
-            if op == "clear":
-                if pending:
-                    await writer.apply(rid, pending)
-                    pending = []
-                await writer.replace(rid, [])
-            else:
-                pending.append((op, hashes, medium))
-        if pending:
-            await writer.apply(rid, pending)
-
-    async def _beat(self, writer: IndexWriter) -> None:
-        """Liveness only: a hash without load fields reads as unknown load to routers."""
-        ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
-        while True:
-            try:
-                await writer.heartbeat(self.config.replica_id, {"source": "vllm-kv-events"}, ttl_ms)
-            except Exception as e:  # Redis away: routers see the replica's load as unknown
-                log.debug("heartbeat failed: %r", e)
-            await asyncio.sleep(self.config.heartbeat_s)
+            batch = decode_batch(parts[2])
+            seq = seq_from_bytes(parts[1])
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            stats.bad_messages += 1
+            continue
+        if stats.last_seq >= 0 and seq > stats.last_seq + 1:
+            stats.gaps += seq - stats.last_seq - 1
+        stats.last_seq = seq
+        stats.batches += 1
+        translator.feed(batch, listeners)

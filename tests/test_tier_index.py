@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 
 import msgpack
@@ -35,8 +36,8 @@ from router.protocol.media import (
 from router.protocol.redis_schema import RedisKeys
 from router.sim.index import SimIndex
 from router.sim.sim_router import SimClock
-from router.vllm_events import AdapterConfig, EventTranslator, VllmEventAdapter
-from tests.helpers.index import loads_from_redis, sync_client
+from router.vllm_events import EventTranslator
+from tests.helpers.index import loads_from_redis, sync_client, vllm_publisher
 
 BS = 16
 MODEL = "tier-model"
@@ -227,26 +228,28 @@ def test_translator_skips_an_unknown_medium_counts_and_logs_it_once(caplog):
 
 
 def test_vllm_cpu_events_land_in_the_host_tier(redis_url, prefix):
-    """The adapter's path from a ZMQ message to Redis (without the socket): blocks vLLM offloads
-    to CPU and then evicts from the GPU are listed, and matched, in the host tier."""
+    """The vLLM backend's path from an event batch to Redis (without the socket): blocks vLLM
+    offloads to CPU and then evicts from the GPU are listed, and matched, in the host tier."""
     tokens = list(range(3 * BS))
     ours = block_hashes(tokens, BS, chain_seed(MODEL))
     theirs = [random.getrandbits(63) for _ in range(3)]
-    messages = [[_stored(theirs, None, tokens)], [_offloaded(theirs)], [["BlockRemoved", theirs, "GPU"]]]
+    batches = [_batch(_stored(theirs, None, tokens)), _batch(_offloaded(theirs)), _batch(["BlockRemoved", theirs, "GPU"])]
 
     async def scenario():
-        adapter = VllmEventAdapter(AdapterConfig("tcp://unused", "vllm-0", redis_url, MODEL, prefix, BS))
+        translator = EventTranslator(MODEL, BS, depth=10**9)
+        publisher = vllm_publisher(translator, redis_url, prefix, "vllm-0")
+        publisher.start()
         index = RedisIndex(RedisConfig(redis_url, prefix, timeout_s=2.0))
-        client = await open_client(redis_url, 2.0)
-        writer = IndexWriter(client, adapter.keys)
         try:
-            for seq, events in enumerate(messages):
-                await adapter._handle(writer, [b"kv", seq.to_bytes(8, "big", signed=True), msgpack.packb([0.0, events, None])])
-            assert (await index.lookup(ours, ["vllm-0"])).replicas["vllm-0"] == ReplicaEntry(3, tier_blocks={HOST: 3})
-            assert adapter.stats.batches == 3 and adapter.stats.unknown_media == 0
+            for batch in batches:
+                translator.feed(batch, [publisher])
+            deadline = time.monotonic() + 10
+            while (await index.lookup(ours, ["vllm-0"])).replicas["vllm-0"] != ReplicaEntry(3, tier_blocks={HOST: 3}):
+                assert time.monotonic() < deadline, "host-tier blocks never matched"
+                await asyncio.sleep(0.05)
+            assert translator.stats.unknown_media == 0
         finally:
-            await writer.retract("vllm-0")
-            await client.aclose()
+            await publisher.stop()
             await index.close()
 
     asyncio.run(scenario())

@@ -18,13 +18,15 @@ import uuid
 
 import msgpack
 import zmq
+import zmq.asyncio
 
 from gateway.local_redis import free_port
 from router.index.redis_index import RedisConfig, RedisIndex
 from router.protocol.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.media import DEVICE
-from router.vllm_events import AdapterConfig, EventTranslator, VllmEventAdapter
+from router.vllm_events import EventTranslator, pump_events
+from tests.helpers.index import vllm_publisher
 
 BS = 4
 MODEL = "vllm-model"
@@ -82,6 +84,8 @@ def test_translator_rehashes_with_our_spec_and_skips_orphans():
 
 
 def test_vllm_stream_feeds_the_index(redis_url):
+    """vLLM's events over a real ZMQ socket, through the vLLM backend's own receiving loop
+    (`pump_events`) and a replica's publisher, into Redis, matched under our hashes."""
     prefix = f"v{uuid.uuid4().hex[:8]}"
     port = free_port()
     ctx = zmq.Context()
@@ -96,8 +100,15 @@ def test_vllm_stream_feeds_the_index(redis_url):
         seq += 1
 
     async def scenario():
-        adapter = VllmEventAdapter(AdapterConfig(f"tcp://127.0.0.1:{port}", "vllm-0", redis_url, MODEL, prefix, BS))
-        adapter.start()
+        nonlocal seq
+        translator = EventTranslator(MODEL, BS, depth=10**9)  # as the vLLM backend makes it
+        publisher = vllm_publisher(translator, redis_url, prefix, "vllm-0")
+        publisher.start()
+        sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        pump = asyncio.get_running_loop().create_task(pump_events(sub, translator, [publisher]))
         index = RedisIndex(RedisConfig(redis_url, prefix, timeout_s=0.5))
         try:
             async def until(check, what):
@@ -108,9 +119,9 @@ def test_vllm_stream_feeds_the_index(redis_url):
 
             async def connected():  # ZMQ drops what a PUB sends before the SUB has joined
                 send([["AllBlocksCleared"]])
-                return adapter.stats.batches > 0
+                return translator.stats.batches > 0
 
-            await until(connected, "adapter never received a batch")
+            await until(connected, "the loop never received a batch")
             system, question = list(range(1000, 1012)), [5, 6, 7, 8, 9, 10, 11, 12]
             ours = block_hashes(system + question, BS, chain_seed(MODEL))  # what the router computes
             vllm = [random.getrandbits(63) for _ in range(5)]  # vLLM's own per-process hashes
@@ -126,11 +137,16 @@ def test_vllm_stream_feeds_the_index(redis_url):
             await until(lambda: matched(4), "removed block still matched")
             send([["AllBlocksCleared"]])
             await until(lambda: matched(0), "cleared blocks still matched")
-            assert adapter.stats.gaps == 0 and adapter.stats.bad_messages == 0
+            assert translator.stats.gaps == 0 and translator.stats.bad_messages == 0
             pub.send_multipart([b"kv", seq.to_bytes(8, "big"), b"\xc1 not msgpack"])
-            await until(lambda: _true(adapter.stats.bad_messages == 1), "bad payload not counted")
+            await until(lambda: _true(translator.stats.bad_messages == 1), "bad payload not counted")
+            seq += 4  # four sequence numbers never arrived (the bad message's counts among them)
+            send([["AllBlocksCleared"]])
+            await until(lambda: _true(translator.stats.gaps == 4), "missed sequence numbers not counted")
         finally:
-            await adapter.stop()
+            pump.cancel()
+            sub.close()
+            await publisher.stop()
             await index.close()
 
     try:

@@ -39,7 +39,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -57,11 +56,10 @@ from replica.core.request_metrics import RequestMetrics
 from replica.default_model import resolve_model
 from replica.engine_config import EngineConfig
 from replica.kvcache.block_manager import KVEventListener
-from router.protocol.events import decode_batch
 from router.protocol.hashing import block_hashes
 from router.protocol.lora import AdapterError, AdapterRef, adapter_ref, weights_file
 from router.protocol.sampling import SamplingParams
-from router.vllm_events import EventTranslator
+from router.vllm_events import EventTranslator, pump_events
 
 log = logging.getLogger("prefixgate.replica.vllm")
 
@@ -134,7 +132,7 @@ class VllmBackend:
         self._token_text = None
         self._lora_ids: dict[str, int] = {}  # adapter identity -> vLLM's lora_int_id (stable, from 1)
         self._lora_loads: dict[str, asyncio.Future] = {}  # identity -> its add_lora (done: vLLM took it)
-        self._event_task = asyncio.get_running_loop().create_task(self._pump_events())
+        self._event_task = asyncio.get_running_loop().create_task(pump_events(self._events, self.translator, self._listeners))
 
     @classmethod
     async def create(cls, config: EngineConfig, settings: VllmSettings, threads: int) -> VllmBackend:
@@ -499,24 +497,6 @@ class VllmBackend:
     async def block_snapshot(self, reset_events: Callable[[], None]) -> list[tuple[int, int, str]]:
         reset_events()  # events are applied on this loop, so nothing runs between the two lines
         return self.translator.held()
-
-    async def _pump_events(self) -> None:
-        """vLLM's KV events -> our hashes -> the listeners (the publisher)."""
-        while True:
-            try:
-                parts = await self._events.recv_multipart()
-            except (asyncio.CancelledError, zmq.ZMQError):
-                return
-            if len(parts) != 3:
-                self.translator.stats.bad_messages += 1
-                continue
-            try:
-                batch = decode_batch(parts[2])
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.translator.stats.bad_messages += 1
-                continue
-            self.translator.stats.batches += 1
-            self.translator.feed(batch, self._listeners)
 
     def shutdown(self) -> None:
         if self._stopped:

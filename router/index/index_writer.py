@@ -1,6 +1,6 @@
 """Writes one replica's blocks and load into the shared index; garbage-collects dead replicas.
 
-Used by our replicas' publisher and by the vLLM event adapter alike. Every write keeps two
+Used by every replica's publisher (replica/serve/publisher.py), whichever engine it runs. Every write keeps two
 views in step: the inverted index (block -> replicas, what lookups read) and the replica's
 own set (replica -> blocks, what a resync or a clean-up needs to retract). Each write names
 the medium the blocks live in (router/protocol/media.py): the inverted index holds

@@ -90,3 +90,17 @@ def loads_from_redis(url: str, prefix: str, replica_ids: list[str]):
         return loads
 
     return asyncio.run(refreshed())
+
+
+def vllm_publisher(translator, url: str, prefix: str, rid: str) -> BlockPublisher:
+    """A vLLM replica's publisher as replica/backends/vllm_backend.py wires it: the translator's
+    held blocks are its resync snapshot, and the translator feeds it (start() it on a loop)."""
+    from router.protocol.redis_schema import Heartbeat
+
+    def snapshot():
+        publisher.reset_events()
+        return translator.held()
+
+    publisher = BlockPublisher(PublisherConfig(url, rid, prefix, flush_s=0.01, heartbeat_s=0.1), snapshot=snapshot,
+                               load=lambda: Heartbeat(kv_pull=0))
+    return publisher
