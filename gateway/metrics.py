@@ -37,8 +37,9 @@ QUEUE_WAIT = Metric("histogram", "prefixgate_queue_wait_seconds",
 # reason: queue_full (refused to keep the queue bounded), max_wait (its tier's maximum wait passed),
 # disconnected (its client left while it waited; never sent), shutdown, rate_limit (its tenant's rpm/tpm)
 SHED_REASONS = ("queue_full", "max_wait", "disconnected", "shutdown", "rate_limit")
-SHED = Metric("counter", "prefixgate_shed_requests", "Requests refused or dropped before reaching a replica, by reason",
-              ["reason"], local=True)
+SHED = Metric("counter", "prefixgate_shed_requests",
+              "Requests refused or dropped before reaching a replica, by model, reason and tenant",
+              ["model_name", "reason", "tenant"], local=True)
 MIGRATION_RECOMPUTED_TOKENS = Metric("counter", "prefixgate_migration_recomputed_tokens",
                                      "Prompt + already-sent tokens a replica had to take over to continue a moved stream", local=True)
 
@@ -52,8 +53,7 @@ def start(gateway=None, interval_s: float = 1.0) -> None:
         metric.zero()
     for outcome in ("resumed", "failed"):
         MIGRATIONS.zero(outcome)
-    for reason in SHED_REASONS:
-        SHED.zero(reason)
+    # SHED is exported at 0 per model and tenant by each model's FlowController.start
     if gateway is not None:
         ref = weakref.ref(gateway)
 

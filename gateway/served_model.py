@@ -47,7 +47,7 @@ class ServedModel:
         tenants = keys.tenants
         return FlowController(
             Capacity(seats, prefill, c.flow_replica_waiting, c.flow_kv_free_min, shared=gateways > 1,
-                     headroom=c.replicas if c.flow_control else 0),  # one seat more per replica: gateway/app.py
+                     headroom=most if c.flow_control else 0),  # one seat more per replica: gateway/app.py
             c.max_queued_requests,
             {"priority": c.queue_wait_priority_s, "default": c.queue_wait_default_s, "flex": c.queue_wait_flex_s},
             c.replicas, weight=lambda flow: tenants[flow].weight if flow in tenants else 1.0, reader=reader,

@@ -230,13 +230,13 @@ class Gateway:
             raise APIError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
         return spec
 
-    async def _limit(self, tenant: TenantSpec, tokens: int) -> dict[str, str]:
+    async def _limit(self, model: str, tenant: TenantSpec, tokens: int) -> dict[str, str]:
         """The tenant's rate limits for a request of `tokens`: OpenAI's x-ratelimit-* headers,
         or a 429 `rate_limit_exceeded` carrying them (gateway/flow/rate_limit.py)."""
         verdict = await self.limiter.admit(tenant, tokens)
         if verdict.allowed:
             return verdict.headers
-        m.SHED.labels("rate_limit").inc()
+        m.SHED.labels(model, "rate_limit", tenant.name).inc()
         kind = verdict.refused_by
         unit = "requests per min (RPM)" if kind == "requests" else "tokens per min (TPM)"
         headers = dict(verdict.headers)
@@ -321,7 +321,7 @@ class Gateway:
             streams, reqs = self._generate(served, body, prompt_ids, prompt_text, session, tenant, max_tokens, adapter)
             cost = len(prompt_ids) + body.n * max_tokens  # tokens: the prompt and the most it may produce
             if key is not None:
-                limit_headers = await self._limit(self.keys.tenants[tenant], cost)
+                limit_headers = await self._limit(served.name, self.keys.tenants[tenant], cost)
             ticket = Ticket(tier, tenant, cost, body.n, len(prompt_ids), arrival)
             await served.flow.acquire(ticket)  # waits while the model's replicas are saturated
             for req in reqs:  # the replica's queue keeps the tier, and a tenant's only request goes first

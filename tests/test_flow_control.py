@@ -187,12 +187,15 @@ def test_has_room_from_the_ledger_and_the_heartbeats():
 
 
 # ---- the admission controller -------------------------------------------------------------------
-def _shed(reason: str) -> float:
-    return REGISTRY.get_sample_value("prefixgate_shed_requests_total", {"reason": reason}) or 0.0
+def _shed(reason: str, tenant: str = "b") -> float:
+    """The shed counter of model "m" (the _controller's), this reason and tenant."""
+    labels = {"model_name": "m", "reason": reason, "tenant": tenant}
+    return REGISTRY.get_sample_value("prefixgate_shed_requests_total", labels) or 0.0
 
 
 def _controller(seats: int = 1, queue: int = 10, waits: dict | None = None, **kw) -> FlowController:
     waits = waits or {"priority": 60.0, "default": 60.0, "flex": 60.0}
+    kw = {"model": "m", "tenants": ("a", "b"), **kw}
     return FlowController(Capacity(seats, 10_000, 2, 0.0), queue, waits, replicas=1, **kw)
 
 
@@ -277,7 +280,7 @@ def test_full_queue_refuses_with_429_and_retry_after():
         with pytest.raises(APIError) as e:  # full: the arriving flex request is the lowest band's, refused
             await flow.acquire(Ticket("flex", "b", 10, 1, 10))
         assert e.value.status == 429 and e.value.headers["Retry-After"] and e.value.code == "server_overloaded"
-        assert _shed("queue_full") == before + 1
+        assert _shed("queue_full") == before + 1 and _shed("queue_full", "a") == 0  # b's, not a's
         queued.cancel()
 
     asyncio.run(run())

@@ -62,13 +62,16 @@ async def _queued(http: httpx.AsyncClient, url: str) -> int:
 
 
 def _shed(url: str, reason: str) -> float:
+    """Requests shed for `reason`, every tenant's (the counter carries model_name and tenant too)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
+    total = 0.0
     for family in text_string_to_metric_families(text):
         if family.name == "prefixgate_shed_requests":
             for s in family.samples:
                 if s.name.endswith("_total") and s.labels.get("reason") == reason:
-                    return s.value
-    return 0.0
+                    assert s.labels["model_name"] and s.labels["tenant"], s.labels
+                    total += s.value
+    return total
 
 
 def test_a_quiet_tenant_goes_ahead_of_a_queued_flood(flow_app):

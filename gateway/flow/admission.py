@@ -92,7 +92,7 @@ class FlowController:
                 self.done(ticket)
                 self.finished(ticket.n)
             else:
-                self._count("disconnected")
+                self._count("disconnected", ticket)
             raise
 
     def started(self, ticket: Ticket) -> None:
@@ -164,7 +164,7 @@ class FlowController:
             m.QUEUE_WAIT.labels(self.model, ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
 
     def _refusal(self, reason: str, ticket: Ticket) -> APIError:
-        self._count(reason)
+        self._count(reason, ticket)
         if reason == "shutdown":
             return APIError(503, "this gateway is shutting down; retry", "server_error", code="server_shutting_down",
                             headers={"Retry-After": "1"})
@@ -176,8 +176,8 @@ class FlowController:
         return APIError(429, "replicas are saturated and the queue is full; retry shortly", "rate_limit_error",
                         code="server_overloaded", headers={"Retry-After": "1"})
 
-    def _count(self, reason: str) -> None:
-        m.SHED.labels(reason).inc()
+    def _count(self, reason: str, ticket: Ticket) -> None:
+        m.SHED.labels(self.model, reason, self._label(ticket.flow)).inc()
         if reason in ("queue_full", "max_wait"):
             m.REJECTED.inc()
 
@@ -187,7 +187,11 @@ class FlowController:
 
     # ---- background: ticks while requests wait, gauges, shutdown --------------------------
     def start(self) -> None:
-        """Start the background loop now if there is a running event loop (else: on the first request)."""
+        """Export the shed counters at 0 (every reason, every configured tenant), and start the
+        background loop now if there is a running event loop (else: on the first request)."""
+        for reason in m.SHED_REASONS:
+            for tenant in self.tenant_labels:
+                m.SHED.zero(self.model, reason, tenant)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
