@@ -148,9 +148,9 @@ class AppConfig:
     drain_timeout_s: float = setting(20.0, help="a stopping replica's requests get this long to finish; the rest move on")
     kv_pull_timeout_s: float = setting(5.0, help="a replica acting on a pull hint waits this long for the holder, then computes")
     # flow control (gateway/flow/, docs/flow-control.md)
-    flow_control: bool = setting(False, help="hold requests in the gateway while the replicas are saturated and send them "
-                                            "by service tier, then fair share of tokens between tenants (false: send "
-                                            "up to replicas x max_ongoing_requests + max_queued_requests, then 429)")
+    flow_control: bool = setting(True, help="hold requests in the gateway while the replicas are saturated and send them "
+                                           "by service tier, then fair share of tokens between tenants (false: send "
+                                           "up to replicas x max_ongoing_requests + max_queued_requests, then 429)")
     queue_wait_priority_s: float = setting(30.0, help="longest a service_tier=priority request waits in the gateway's queue (then 429)")
     queue_wait_default_s: float = setting(30.0, help="longest a default (or auto) tier request waits in the gateway's queue (then 429)")
     queue_wait_flex_s: float = setting(300.0, help="longest a service_tier=flex request waits in the gateway's queue (then 429)")
