@@ -24,7 +24,8 @@ from replica.engine_config import (
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
 )
-from router.protocol.messages import KEEPALIVE_S, STREAM_INTERVAL_S
+from router.protocol.hashing import BLOCK_SIZE
+from router.protocol.messages import KEEPALIVE_S, KV_PULL_TIMEOUT_S, STREAM_INTERVAL_S
 from router.registry import aliases as policy_aliases
 from router.registry import help_text as policy_help
 from router.registry import policy_names
@@ -146,7 +147,7 @@ class AppConfig:
     stream_interval_ms: float = setting(STREAM_INTERVAL_S * 1000, help="a replica sends a stream's tokens at most once per "
                                         "interval, all produced since the last send (the first and the last at once; 0: every output)")
     drain_timeout_s: float = setting(20.0, help="a stopping replica's requests get this long to finish; the rest move on")
-    kv_pull_timeout_s: float = setting(5.0, help="a replica acting on a pull hint waits this long for the holder, then computes")
+    kv_pull_timeout_s: float = setting(KV_PULL_TIMEOUT_S, help="a replica acting on a pull hint waits this long for the holder, then computes")
     # flow control (gateway/flow/, docs/flow-control.md)
     flow_control: bool = setting(True, help="hold requests in the gateway while the replicas are saturated and send them "
                                            "by service tier, then fair share of tokens between tenants (false: send "
@@ -184,7 +185,7 @@ class AppConfig:
         if self.block_size is None:
             from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE
 
-            self.block_size = VLLM_BLOCK_MULTIPLE if self.engine == "vllm" else 16
+            self.block_size = VLLM_BLOCK_MULTIPLE if self.engine == "vllm" else BLOCK_SIZE
         # a working replica sends a keepalive every KEEPALIVE_S (K/V pulls included): a guard
         # shorter than two of them would move healthy requests
         if self.stall_timeout_s != 0 and self.stall_timeout_s <= 2 * KEEPALIVE_S:

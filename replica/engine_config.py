@@ -14,10 +14,10 @@ from pathlib import Path
 
 from router.costs.service import ServiceModel
 from router.costs.transfer_model import TransferModel
+from router.protocol.hashing import BLOCK_SIZE  # tokens per K/V block: the hash spec's default
 
 # The engine's defaults, defined here once: EngineConfig, the scheduler, the sim engine and the
 # gateway's AppConfig (the served defaults) all read these.
-BLOCK_SIZE = 16  # tokens per K/V block (vLLM replicas need a multiple of 32: replica/backends/vllm_settings.py)
 KV_CACHE_MB = 512  # K/V pool per replica when num_blocks is not given
 MAX_NUM_SEQS = 64  # sequences running at once
 MAX_NUM_BATCHED_TOKENS = 512  # tokens per step: the prefill chunk, decodes included

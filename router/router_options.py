@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from router.policy_table import DEFAULT_POLICY
+from router.protocol.hashing import BLOCK_SIZE
 from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS, LOOKUP_TIMEOUT_S
 
 PUBLISH_DEPTH = 64  # leading blocks of a prompt that are hashed, published and matched
@@ -24,7 +25,7 @@ class RouterOptions:
     policy: str = DEFAULT_POLICY  # a name or alias of router/registry.py
     policy_options: dict = field(default_factory=dict)  # the policy class's keyword arguments
     model_id: str = "SmolLM2-135M-Instruct"  # block-hash identity (the gateway passes the served model's)
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     publish_depth: int = PUBLISH_DEPTH
     redis_url: str | None = None  # None: no index (consistent hashing on the session)
     key_prefix: str = DEFAULT_KEY_PREFIX

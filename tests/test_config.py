@@ -3,6 +3,7 @@ args, each with one default, and every router option can be set from a config fi
 
 from __future__ import annotations
 
+import ast
 import json
 from dataclasses import fields
 
@@ -107,6 +108,52 @@ def test_one_default_per_setting():
             assert getattr(app, f.name) == getattr(router, f.name), f.name
     assert ReplicaSettings().key_prefix == app.key_prefix and ReplicaSettings().index_buckets == app.index_buckets
     assert ReplicaSettings().publish_depth == app.publish_depth
+
+
+# Settings that more than one process's config carries, by class and field: each default must be
+# a named constant (or an expression of one), never a literal written again in another class.
+_SHARED_DEFAULTS = {
+    "gateway.config.AppConfig": ("kv_cache_mb", "max_num_seqs", "max_num_batched_tokens", "publish_depth",
+                                 "key_prefix", "index_buckets", "stream_interval_ms", "kv_pull_timeout_s",
+                                 "redis_timeout_s", "policy"),
+    "router.router_options.RouterOptions": ("policy", "block_size", "publish_depth", "key_prefix",
+                                            "index_buckets", "redis_timeout_s"),
+    "replica.serve.replica_settings.ReplicaSettings": ("key_prefix", "index_buckets", "publish_depth",
+                                                       "kv_pull_timeout_s", "stream_interval_s"),
+    "replica.engine_config.EngineConfig": ("block_size", "max_num_seqs", "max_num_batched_tokens"),
+    "replica.engine_config.SimEngineConfig": ("block_size", "max_num_seqs"),
+    "replica.kv_io.kv_pull.KvPullConfig": ("timeout_s",),
+}
+
+
+def _field_defaults(dotted: str) -> dict[str, ast.expr | None]:
+    """Each field's default expression as written in the class's source (setting(...)'s first
+    argument for AppConfig's), None when it has none."""
+    import importlib
+    import inspect
+
+    module, name = dotted.rsplit(".", 1)
+    tree = ast.parse(inspect.getsource(importlib.import_module(module)))
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+    out: dict[str, ast.expr | None] = {}
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            value = stmt.value
+            if isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("setting", "field") and value.args:
+                value = value.args[0]
+            out[stmt.target.id] = value
+    return out
+
+
+def test_shared_defaults_are_defined_once():
+    """Not equal values but one definition: every shared default names its constant."""
+    for dotted, names in _SHARED_DEFAULTS.items():
+        defaults = _field_defaults(dotted)
+        for name in names:
+            expr = defaults[name]
+            assert expr is not None, f"{dotted}.{name} has no default"
+            named = any(isinstance(n, (ast.Name, ast.Attribute)) for n in ast.walk(expr))
+            assert named, f"{dotted}.{name} = {ast.unparse(expr)}: a literal; name the shared constant instead"
 
 
 def test_every_router_option_reaches_the_router_from_a_config_file():

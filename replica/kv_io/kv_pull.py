@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from replica.kv_io import kv_transfer
 from router.protocol.hashing import block_hashes, chain_seed
+from router.protocol.messages import KV_PULL_TIMEOUT_S
 from router.telemetry import Metric
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ OUTCOMES = ("ok", "empty", "timeout", "failed", "skipped")
 
 @dataclass
 class KvPullConfig:
-    timeout_s: float = 5.0  # the whole pull (holder's pin waits for its current step); then recompute
+    timeout_s: float = KV_PULL_TIMEOUT_S  # the whole pull (holder's pin waits for its current step); then recompute
     # the holder releases exported blocks as the next to evict: the copy on the puller is the one
     # the conversation will use (simulator: +1 point of hit rate at 8 replicas, docs/kv-pull.md)
     demote_exported: bool = True

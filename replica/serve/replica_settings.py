@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from replica.backends.engine_protocol import ENGINE_NAMES, EngineBackend
 from replica.engine_config import EngineConfig
-from router.protocol.messages import STREAM_INTERVAL_S
+from router.protocol.messages import KV_PULL_TIMEOUT_S, STREAM_INTERVAL_S
 from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS
 from router.router_options import PUBLISH_DEPTH
 
@@ -22,7 +22,7 @@ class ReplicaSettings:
     publish_depth: int = PUBLISH_DEPTH
     torch_threads: int = 1  # compute threads per replica (torch's, or vLLM's OMP threads)
     sim: dict | None = None  # SimEngineConfig fields: a simulated-compute replica (no model, no torch)
-    kv_pull_timeout_s: float = 5.0  # a pull hint's round trip (docs/kv-pull.md); past it: recompute
+    kv_pull_timeout_s: float = KV_PULL_TIMEOUT_S  # a pull hint's round trip (docs/kv-pull.md); past it: recompute
     stream_interval_s: float = STREAM_INTERVAL_S  # a stream sends at most once per interval (replica/serve/stream_batcher.py)
     vllm: dict | None = None  # VllmSettings fields: a replica running vLLM's engine (replica/backends/vllm_backend.py)
 

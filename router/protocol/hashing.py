@@ -16,6 +16,9 @@ from collections.abc import Sequence
 import xxhash
 
 HASH_DOMAIN = b"prefixgate/v1\x00"
+# Tokens per hashed block where a deployment sets none: engines, routers and the index must
+# agree on it (vLLM replicas need a multiple of 32: replica/backends/vllm_settings.py).
+BLOCK_SIZE = 16
 
 
 def chain_seed(model_id: str, cache_salt: str | None = None, adapter: str | None = None) -> int:

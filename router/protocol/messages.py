@@ -31,6 +31,11 @@ KEEPALIVE_S = 2.0
 STREAM_INTERVAL_S = 0.05
 
 
+# How long a replica acting on a pull hint waits for the holder's K/V before it computes the
+# prefix itself (docs/kv-pull.md): AppConfig.kv_pull_timeout_s, replica settings, the puller.
+KV_PULL_TIMEOUT_S = 5.0
+
+
 class KvSource(msgspec.Struct, frozen=True):
     """A pull hint (docs/kv-pull.md): another replica holds the prompt's leading blocks, so
     the replica taking the request copies their K/V from it instead of computing them. The

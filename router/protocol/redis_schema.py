@@ -66,14 +66,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
         """The HSET mapping: every field, but none left unset (Redis stores no None)."""
         return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
 
-    @classmethod
-    def from_redis(cls, fields: dict) -> Heartbeat:
-        """An HGETALL answer (strings) -> Heartbeat; unknown fields are ignored (an older or
-        newer replica), a malformed value raises msgspec.ValidationError."""
-        return msgspec.convert({k: v for k, v in fields.items() if k in _ALL_FIELDS}, cls, strict=False)
 
-
-_ALL_FIELDS = frozenset(Heartbeat.__struct_fields__)
 # What a router's load table reads of each heartbeat (one HMGET per replica), in this order.
 LOAD_FIELDS: tuple[str, ...] = tuple(f for f in Heartbeat.__struct_fields__ if f not in ("pid", "generated_tokens", "step_lag"))
 
