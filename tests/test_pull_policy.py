@@ -1,4 +1,4 @@
-"""Issue 15 part B: the transfer model, its calibration, the pull-aware policy and the
+"""The transfer model, its calibration, the pull-aware policy and the
 simulator's pulls. Pure logic and the simulator: no Ray, no Redis, no model."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 25, router side: the index knows where each block lives (device pool, host tier, disk
+"""Tiers, router side: the index knows where each block lives (device pool, host tier, disk
 tier) and the router prices a lower-tier hit. The encoding and the policy math are pure; the
 index writer, the lookup's tier split, the vLLM adapter and calibration run against a real
 redis-server (and the 3-master cluster, through `redis_url`)."""
