@@ -113,6 +113,9 @@ def _driver() -> None:
             result["refusals"][f"{name} generate"] = await refusal(run(name))
         result["after"] = [await run(n) for n in ("a", "b", None)]
         result["alive"] = backend.alive
+        result["resident"] = await backend.refresh_lora_residency()  # what vLLM's adapter cache holds
+        stats = backend.stats()  # the heartbeat's source
+        result["heartbeat_lora"] = [stats.lora_resident, stats.lora_load_s]
         result["stored"] = listener.blocks
         result["info"] = backend.info_extra()
         backend.shutdown()
@@ -228,6 +231,18 @@ def test_event_hashes_are_the_routers_under_each_adapter(served, adapters):
         assert [stored.get(h) for h in hashes] == list(range(len(hashes))), name
     assert len(set().union(*map(set, chains.values()))) == 3 * len(chains["a"])  # three different chains
     assert set(result["info"]["lora_adapters"]) == {_identity(adapters, "a"), _identity(adapters, "b")}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_heartbeat_reports_the_adapters_vllm_holds(served, adapters):
+    """What routers price an adapter's disk read with: the identities in vLLM's adapter cache
+    (max_cpu_loras 2, a and b served last) and the measured time of one add_lora."""
+    result, _ = served
+    held = {_identity(adapters, "a"), _identity(adapters, "b")}
+    assert set(result["resident"]) == held, result["resident"]
+    resident, load_s = result["heartbeat_lora"]
+    assert set(resident) == held and load_s > 0, result["heartbeat_lora"]
 
 
 @pytest.mark.slow

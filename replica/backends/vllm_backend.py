@@ -62,6 +62,7 @@ from router.protocol.sampling import SamplingParams
 from router.vllm_events import EventTranslator, pump_events
 
 log = logging.getLogger("prefixgate.replica.vllm")
+LORA_RESIDENCY_S = 1.0  # how often the adapters vLLM holds are read for the heartbeat
 
 
 class _Scheduler:
@@ -132,7 +133,13 @@ class VllmBackend:
         self._token_text = None
         self._lora_ids: dict[str, int] = {}  # adapter identity -> vLLM's lora_int_id (stable, from 1)
         self._lora_loads: dict[str, asyncio.Future] = {}  # identity -> its add_lora (done: vLLM took it)
-        self._event_task = asyncio.get_running_loop().create_task(pump_events(self._events, self.translator, self._listeners))
+        # what the heartbeat tells routers of vLLM's adapter cache: the identities it holds
+        # (vLLM's list_loras, read every LORA_RESIDENCY_S) and the last measured add_lora
+        self._lora_resident: list[str] = []
+        self._lora_load_s = 0.0
+        loop = asyncio.get_running_loop()
+        self._event_task = loop.create_task(pump_events(self._events, self.translator, self._listeners))
+        self._residency_task = loop.create_task(self._watch_residency()) if lora else None
 
     @classmethod
     async def create(cls, config: EngineConfig, settings: VllmSettings, threads: int) -> VllmBackend:
@@ -366,6 +373,7 @@ class VllmBackend:
 
         if self._stopped:
             raise EngineDeadError("engine is shut down")
+        start = time.perf_counter()
         try:
             taken = await self.engine.add_lora(request)
         except VllmDead as e:
@@ -380,7 +388,26 @@ class VllmBackend:
         if refusal is not None:
             await self._drop_lora(request.lora_int_id)
             raise InvalidRequestError(f"LoRA adapter {adapter.name!r}: {refusal}")
+        self._lora_load_s = time.perf_counter() - start  # what a request under an adapter not held waits
+        await self.refresh_lora_residency()
         log.info("LoRA adapter %s (%s) loaded as vLLM lora_int_id %d", adapter.identity, adapter.path, request.lora_int_id)
+
+    async def refresh_lora_residency(self) -> list[str]:
+        """The identities of the adapters vLLM holds now (its LRU of `max_cpu_loras` may have
+        evicted some, or reloaded one for a request), as the heartbeat reports them."""
+        held = await self.engine.list_loras()
+        self._lora_resident = sorted(identity for identity, i in self._lora_ids.items() if i in held)
+        return self._lora_resident
+
+    async def _watch_residency(self) -> None:
+        while not self._stopped:
+            try:
+                await self.refresh_lora_residency()
+            except asyncio.CancelledError:
+                return
+            except Exception as e:  # the engine stopping: the next heartbeat says so anyway
+                log.debug("list_loras: %r", e)
+            await asyncio.sleep(LORA_RESIDENCY_S)
 
     async def _drop_lora(self, lora_id: int) -> None:
         """Forget a refused adapter in vLLM (a load that failed half way leaves it registered)."""
@@ -471,7 +498,7 @@ class VllmBackend:
             blocks_total=f.num_blocks, blocks_used=used, blocks_cached=self.translator.num_held,
             blocks_free=f.num_blocks - used, evictions=self.translator.stats.removed, preemptions=fig.preemptions,
             pending_prefill_tokens=sum(r.prompt_tokens for r in unstarted), steps=fig.steps,
-            generated_tokens=self._generated,
+            generated_tokens=self._generated, lora_resident=list(self._lora_resident), lora_load_s=self._lora_load_s,
         )
 
     def step_progress(self) -> tuple[int, int]:
@@ -503,6 +530,8 @@ class VllmBackend:
             return
         self._stopped = True
         self._event_task.cancel()
+        if self._residency_task is not None:
+            self._residency_task.cancel()
         try:
             self.engine.shutdown()
         finally:
