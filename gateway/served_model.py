@@ -39,8 +39,10 @@ class ServedModel:
     def _flow_controller(self, most: int, keys: KeyTable, shutting_down: Callable[[], bool], gateways: int) -> FlowController:
         c = self.config
         prefill = c.flow_prefill_tokens or 2 * c.max_num_batched_tokens
-        # flow control off: the old bound (replicas x max_ongoing_requests + max_queued_requests in flight)
-        seats = most * c.max_ongoing_requests if c.flow_control else self.capacity
+        # flow control off: the old bound (replicas x max_ongoing_requests + max_queued_requests in
+        # flight); on: the replicas' seats, shared between the gateways (Serve's proxies spread
+        # requests over them), so K gateways together send what the replicas run, not K times it
+        seats = -(-most * c.max_ongoing_requests // max(gateways, 1)) if c.flow_control else self.capacity
         reader = None
         if c.flow_control and c.redis_url:
             reader = HeartbeatReader(c.redis_url, RedisKeys(c.key_prefix, c.index_buckets), c.load_refresh_s)

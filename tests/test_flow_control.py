@@ -460,3 +460,20 @@ def test_flow_settings_from_the_command_line(tmp_path):
                 {"flow_kv_free_min": 1.0}, {"max_queued_requests": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AppConfig(**bad)
+
+
+def test_gateways_share_the_replicas_seats():
+    """K gateways each send a K-th of replicas x max_ongoing_requests (rounded up), so together
+    they send what the replicas run and the excess waits in their ordered queues; off, each
+    keeps the old in-flight bound."""
+    from gateway.config import AppConfig
+    from gateway.flow.keys import parse_keys
+    from gateway.served_model import ServedModel
+
+    def seats(gateways: int, **kw) -> int:
+        config = AppConfig(engine="sim", redis_url=None, replicas=3, max_ongoing_requests=8, gateways=gateways, **kw)
+        model = ServedModel(config.model_configs()[0], None, parse_keys({}), lambda: False, gateways)
+        return model.flow.capacity.max_in_flight
+
+    assert (seats(1), seats(2), seats(5)) == (24, 12, 5)
+    assert seats(2, flow_control=False) == 3 * 8 + 64
