@@ -34,6 +34,7 @@ from router.protocol.events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    KVEventListener,
     decode_batch,
     seq_from_bytes,
 )
@@ -122,7 +123,7 @@ class EventTranslator:
         """Writes for one batch, in order; ("clear", [], DEVICE) for AllBlocksCleared."""
         return [(op, [h for h, _ in blocks], medium) for op, blocks, medium in self._writes(batch)]
 
-    def feed(self, batch: KVEventBatch, listeners: list) -> None:
+    def feed(self, batch: KVEventBatch, listeners: list[KVEventListener]) -> None:
         """One batch into KVEventListeners (replica/kvcache/block_manager.py), e.g. a replica's own
         BlockPublisher: the vLLM backend publishes through the same path as our engine."""
         for op, blocks, medium in self._writes(batch):
@@ -221,7 +222,7 @@ class EventTranslator:
         return [("-", b, m) for m, b in removed.items()] + [("+", b, m) for m, b in added.items()]
 
 
-async def pump_events(sock: zmq.asyncio.Socket, translator: EventTranslator, listeners: list) -> None:
+async def pump_events(sock: zmq.asyncio.Socket, translator: EventTranslator, listeners: list[KVEventListener]) -> None:
     """vLLM's KV events from `sock` (a SUB socket connected to its publisher) -> our hashes ->
     `listeners` (a replica's BlockPublisher), until the socket closes or the task is cancelled.
     A message of the wrong shape or a payload that does not decode is counted, never fatal;

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from replica.core.engine_types import EngineStats, RequestOutput
-from replica.kvcache.block_manager import KVEventListener
+from router.protocol.events import KVEventListener
 from router.protocol.lora import AdapterRef
 from router.protocol.sampling import SamplingParams
 

@@ -22,7 +22,7 @@ from replica.backends.engine_protocol import (
 )
 from replica.core.engine_types import EngineStats, RequestOutput
 from replica.engine_config import EngineConfig
-from replica.kvcache.block_manager import KVEventListener
+from router.protocol.events import KVEventListener
 from router.protocol.lora import AdapterRef
 from router.protocol.sampling import SamplingParams
 

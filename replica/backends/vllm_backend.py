@@ -55,7 +55,7 @@ from replica.core.engine_types import EngineStats, InvalidRequestError, RequestO
 from replica.core.request_metrics import RequestMetrics
 from replica.default_model import resolve_model
 from replica.engine_config import EngineConfig
-from replica.kvcache.block_manager import KVEventListener
+from router.protocol.events import KVEventListener
 from router.protocol.hashing import block_hashes
 from router.protocol.lora import AdapterError, AdapterRef, adapter_ref, weights_file
 from router.protocol.sampling import SamplingParams

@@ -30,8 +30,9 @@ from replica.core.engine_types import (
 )
 from replica.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.core.sequence import Sequence
-from replica.kvcache.block_manager import BlockManager, KVEventListener
+from replica.kvcache.block_manager import BlockManager
 from replica.kvcache.kv_tiers import CopyStats, TierMover
+from router.protocol.events import KVEventListener
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.lora import AdapterRef
 from router.protocol.sampling import SamplingParams

@@ -17,24 +17,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from replica.kvcache.kv_tiers import LowerTier, TierEvents, TierMove
+from router.protocol.events import KVEventListener
 from router.protocol.hashing import block_hashes
 from router.protocol.media import DEVICE, DISK, HOST
-
-
-class KVEventListener(Protocol):
-    """Receives cache membership changes (the replica publishes them to Redis)."""
-
-    def stored(self, hashes: list[int], positions: list[int], medium: str = DEVICE) -> None:
-        """Blocks became cached in `medium`; positions[i] is the block index of hashes[i] in its prompt."""
-
-    def removed(self, hashes: list[int], medium: str = DEVICE) -> None:
-        """Cached blocks left `medium` (evicted, or moved to another medium)."""
-
-    def cleared(self) -> None:
-        """Every cached block was dropped."""
 
 
 @dataclass

@@ -15,7 +15,7 @@ consumers re-hash from token_ids with our spec (router.protocol.hashing) instead
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -120,3 +120,18 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 
 def seq_from_bytes(data: bytes) -> int:
     return int.from_bytes(data, "big", signed=True)
+
+
+class KVEventListener(Protocol):
+    """Where a replica's cache membership changes go, in our hashes (the replica's BlockPublisher
+    writes them to Redis): our engine's block manager calls it, and so does the translator of a
+    vLLM replica's events (router/vllm_events.py)."""
+
+    def stored(self, hashes: list[int], positions: list[int], medium: str = "device") -> None:
+        """Blocks became cached in `medium`; positions[i] is the block index of hashes[i] in its prompt."""
+
+    def removed(self, hashes: list[int], medium: str = "device") -> None:
+        """Cached blocks left `medium` (evicted, or moved to another medium)."""
+
+    def cleared(self) -> None:
+        """Every cached block was dropped."""
