@@ -126,6 +126,7 @@ BENCHES = {
     "lora": ("loadtest.bench.lora_bench", "LoRA decode: rows over several adapters against base-model rows"),
     "lora-routing": ("loadtest.bench.lora_routing", "LoRA routing: adapter-aware against adapter-blind, live"),
     "noisy-neighbour": ("loadtest.bench.noisy_neighbour", "flow control: a quiet tenant's TTFT beside a flood, off and on"),
+    "overload": ("loadtest.bench.overload", "flow control under 3x overload: complete or 429 before the first byte"),
 }
 
 

@@ -21,12 +21,13 @@ def prefixgate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 HELP = {
     ("serve",): ["--redis-url", "--port", "--ray-address", "--metrics-port", "--policy"],
     ("chat",): ["--url", "--session"],
-    ("bench",): ["engine", "router", "serving", "lora-routing", "noisy-neighbour"],
+    ("bench",): ["engine", "router", "serving", "lora-routing", "noisy-neighbour", "overload"],
     ("bench", "engine"): ["prefixgate bench engine", "--requests", "--new-tokens", "--threads"],
     ("bench", "router"): ["prefixgate bench router", "--blocks", "--prompt-tokens", "--cluster"],
     ("bench", "serving"): ["prefixgate bench serving", "--streams", "--replicas", "--max-tokens", "--config"],
     ("bench", "lora-routing"): ["prefixgate bench lora-routing", "--adapters", "--max-cpu-loras"],
     ("bench", "noisy-neighbour"): ["prefixgate bench noisy-neighbour", "--flood-tier", "--quiet-tier", "--modes"],
+    ("bench", "overload"): ["prefixgate bench overload", "--factor", "--queue-wait-s", "--capacity-clients"],
     ("sim",): ["prefixgate sim", "--replicas", "--capacity", "--limit", "--policies", "--host-blocks"],
     ("loadtest",): ["prefixgate loadtest", "run", "compare", "summarize", "plot"],
     ("loadtest", "run"): ["--url", "--preset", "--plot"],
@@ -85,9 +86,9 @@ def test_noisy_neighbour_tiers_reach_the_requests():
     requests carry its service_tier (none sent when not given: the key's default)."""
     import random
 
-    from loadtest.bench.noisy_neighbour import _body, parse_args
+    from loadtest.bench.noisy_neighbour import completion_body, parse_args
 
     args = parse_args(["--flood-tier", "flex", "--quiet-tier", "priority", "--modes", "on"])
-    assert _body("m", 4, 2, random.Random(0), args.flood_tier)["service_tier"] == "flex"
-    assert _body("m", 4, 2, random.Random(0), args.quiet_tier)["service_tier"] == "priority"
-    assert "service_tier" not in _body("m", 4, 2, random.Random(0), parse_args([]).flood_tier)
+    assert completion_body("m", 4, 2, random.Random(0), args.flood_tier)["service_tier"] == "flex"
+    assert completion_body("m", 4, 2, random.Random(0), args.quiet_tier)["service_tier"] == "priority"
+    assert "service_tier" not in completion_body("m", 4, 2, random.Random(0), parse_args([]).flood_tier)

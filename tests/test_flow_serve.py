@@ -173,3 +173,17 @@ def test_a_queued_request_whose_client_left_is_dropped(flow_app):
 
 async def _more(url: str, reason: str, before: float) -> bool:
     return await asyncio.to_thread(_shed, url, reason) > before
+
+
+def test_overload_completes_or_refuses_before_the_first_byte(flow_app):
+    """`prefixgate bench overload`'s open loop, at many times what the flow app's 4 seats serve:
+    every request completes (all its tokens, usage included) or is refused with a 429 before its
+    first byte; none fails otherwise, the queue's worth of requests completes, and some are shed."""
+    from loadtest.bench import overload
+
+    args = overload.parse_args(["--prompt", "48", "--max-tokens", "8", "--seed", "3"])
+    out = asyncio.run(overload.open_loop(f"{flow_app}/v1/completions", DEFAULT_MODEL_NAME, rate=60.0, seconds=1.0,
+                                         args=args, key="sk-quiet"))
+    assert out.failed == {}, out
+    assert out.completed + out.refused_429 == out.total and out.total >= 50, out
+    assert out.completed >= 32 + SEATS and out.refused_429 > 0, out  # the queue's 32 and the seats ran; the rest shed

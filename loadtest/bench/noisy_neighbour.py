@@ -70,7 +70,7 @@ class Row:
         return self.flood_together_tok_s / max(self.flood_alone_tok_s, 1e-9)
 
 
-async def _stream(http: httpx.AsyncClient, url: str, key: str, body: dict, first: list[float] | None = None
+async def stream_completion(http: httpx.AsyncClient, url: str, key: str, body: dict, first: list[float] | None = None
                   ) -> tuple[float | None, int, str | None]:
     """(TTFT s, completion tokens from usage, refusal code) of one streaming completion; the
     TTFT is also appended to `first` as soon as it is known."""
@@ -98,7 +98,7 @@ async def _stream(http: httpx.AsyncClient, url: str, key: str, body: dict, first
     return ttft, tokens, None
 
 
-def _body(model: str, prompt_tokens: int, max_tokens: int, rng: random.Random, tier: str | None = None) -> dict:
+def completion_body(model: str, prompt_tokens: int, max_tokens: int, rng: random.Random, tier: str | None = None) -> dict:
     # token ids, so the prompt length is exact; random so nothing is a prefix-cache hit
     body = {"model": model, "prompt": [rng.randrange(1000, 20000) for _ in range(prompt_tokens)],
             "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0,
@@ -124,7 +124,7 @@ async def window(base: str, model: str, seconds: float, quiet: bool, flood: tupl
 
         async def flood_loop() -> None:
             while time.perf_counter() < end:
-                _, tokens, code = await _stream(http, url, "sk-flood", _body(model, *flood, rng, flood_tier))
+                _, tokens, code = await stream_completion(http, url, "sk-flood", completion_body(model, *flood, rng, flood_tier))
                 done = time.perf_counter()
                 if code is not None:
                     if done >= begin:
@@ -142,7 +142,7 @@ async def window(base: str, model: str, seconds: float, quiet: bool, flood: tupl
                 pending[n] = time.perf_counter()
                 first: list[float] = []
                 try:
-                    _, _, code = await _stream(http, url, "sk-quiet", _body(model, quiet_prompt, quiet_max_tokens, rng, quiet_tier), first)
+                    _, _, code = await stream_completion(http, url, "sk-quiet", completion_body(model, quiet_prompt, quiet_max_tokens, rng, quiet_tier), first)
                 finally:
                     if first:
                         pending.pop(n, None)
