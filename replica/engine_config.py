@@ -14,7 +14,10 @@ from pathlib import Path
 
 from router.costs.service import ServiceModel
 from router.costs.transfer_model import TransferModel
-from router.protocol.hashing import BLOCK_SIZE  # tokens per K/V block: the hash spec's default
+from router.protocol.hashing import BLOCK_SIZE
+from router.protocol.lora import (
+    MAX_CPU_LORAS as _MAX_CPU_LORAS,  # tokens per K/V block: the hash spec's default
+)
 
 # The engine's defaults, defined here once: EngineConfig, the scheduler, the sim engine and the
 # gateway's AppConfig (the served defaults) all read these.
@@ -28,7 +31,7 @@ LONG_PREFILL_TOKEN_THRESHOLD = 256
 # host memory (the rest are read from disk when a request needs them, least recently used out)
 MAX_LORAS = 4
 MAX_LORA_RANK = 16
-MAX_CPU_LORAS = 8
+MAX_CPU_LORAS = _MAX_CPU_LORAS  # router/protocol/lora.py: the simulator's too
 
 
 @dataclass

@@ -420,7 +420,8 @@ class AffinityPullPolicy(AffinityPolicy):
         self._pulls = {}
         for v in replicas:
             prefix, depth = self.option(request, v, source)
-            costs[v.replica_id] = prefix + v.pending_prefill_tokens + self.decode_weight * _queued(v)
+            costs[v.replica_id] = (prefix + v.pending_prefill_tokens + self.decode_weight * _queued(v)
+                                   + self.adapter_cost(request, v))
             if depth:
                 self._pulls[v.replica_id] = depth
         self._source_id = source.replica_id if source is not None else None

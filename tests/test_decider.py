@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from router.decider import Decider, InflightPrefixes
 from router.index.redis_index import Lookup, RedisConfig, RedisIndex, ReplicaEntry
 from router.load_table import LoadTable
@@ -118,14 +120,16 @@ def test_the_lookups_tier_split_reaches_the_policy():
     assert (tiers.matched_blocks, tiers.host_blocks, tiers.disk_blocks, tiers.device_blocks) == (16, 10, 2, 4)
 
 
-def test_a_lora_request_prefers_the_replica_holding_its_adapter():
+@pytest.mark.parametrize("name", ["affinity", "affinity-pull"])
+def test_a_lora_request_prefers_the_replica_holding_its_adapter(name):
     """Equal load, no prefix anywhere: the replica whose heartbeat lists the adapter as resident
-    wins over one that would read it from disk (priced at its measured load time); a base-model
-    request, and a replica that reports no LoRA at all (vLLM's, lora_load_ms 0), pay nothing."""
+    wins over one that would read it from disk (priced at its measured load time), under both
+    affinity policies (the default's costs once left the adapter out); a base-model request,
+    and a replica that reports no reads yet (lora_load_ms 0), pay nothing."""
     table = _table({"a": {**_load(), "lora_resident": "poet@11 tutor@22", "lora_load_ms": 60},
                     "b": {**_load(), "lora_resident": "sql@33", "lora_load_ms": 60},
                     "v": {**_load(), "lora_resident": "", "lora_load_ms": 0}})
-    policy = make_policy("affinity", seed=0)
+    policy = make_policy(name, seed=0)
     decider = Decider(policy, table, InflightPrefixes(3.0), sampled=4)
     views = {v: decider._view(v, 0, 0, {}, None, "tutor@22") for v in ("a", "b", "v")}
     assert [views[v].adapter_resident for v in ("a", "b", "v")] == [True, False, None]
@@ -135,7 +139,9 @@ def test_a_lora_request_prefers_the_replica_holding_its_adapter():
     assert costs["a"] == costs["v"] < costs["b"]
     base = RouteRequest(list(range(16)), 256, BS, None)
     assert policy.cost(base, views["a"]) == policy.cost(base, views["b"])
-    assert make_policy("affinity", seed=0, adapter_weight=0).cost(route, views["b"]) == costs["a"]
+    assert make_policy(name, seed=0, adapter_weight=0).cost(route, views["b"]) == costs["a"]
+    ranked = policy.rank(route, list(views.values()))  # the costs decide() compares
+    assert ranked[-1].replica_id == "b", [v.replica_id for v in ranked]
 
     async def run():
         try:

@@ -17,6 +17,11 @@ from pathlib import Path
 
 import msgspec
 
+# LoRA adapters a replica keeps in host memory where its config sets none (vLLM's max_cpu_loras;
+# the rest are read from disk when a request needs them, least recently used out): the engines'
+# default and the simulator's
+MAX_CPU_LORAS = 8
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft saves, in its preference order
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")  # what a request's `model` may name

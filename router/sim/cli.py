@@ -3,6 +3,7 @@
     python -m router.sim.cli --replicas 8 32 --capacity tight ample --json out/sim.json
     python -m router.sim.cli --replicas 8 --capacity 0.0025 --host-blocks 4x   # a host tier of 4 pools
     python -m router.sim.cli --replicas 8 --capacity 600 2000 --policies affinity --audit   # why hits were lost
+    python -m router.sim.cli --workload chat --adapters 8 --max-cpu-loras 2 --lora-aware true false   # LoRA
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from router.costs.transfer_model import TransferModel
 from router.policy import POLICIES, AffinityPolicy, Policy, make_policy
 from router.sim.audit import RoutingAudit, pooled_lru_per_request
 from router.sim.engine import SimConfig, run_policy
+from router.sim.lora import LORA_LOAD_MS, MAX_CPU_LORAS, AdapterMix, LoraConfig
 from router.sim.metrics import PolicyResult
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
 from router.sim.replica import HOLDER_MODES
@@ -144,6 +146,42 @@ def tier_rates(args: argparse.Namespace) -> dict[str, float]:
     return {"host_bytes_per_s": args.host_rate, "disk_bytes_per_s": args.disk_rate}
 
 
+def parse_bool(text: str) -> bool:
+    """true/false as the live flags take them (`--lora-aware false`)."""
+    value = text.strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value in ("true", "1", "yes")
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """Sessions under LoRA adapters and each replica's adapter memory (router/sim/lora.py)."""
+    mix = AdapterMix()
+    g = p.add_argument_group("LoRA adapters", "sessions under adapters, each replica's adapters in host memory "
+                                              "(router/sim/lora.py, docs/lora.md)")
+    g.add_argument("--adapters", type=int, default=mix.adapters,
+                   help="adapters the sessions are spread over (default 0: none, the base model only)")
+    g.add_argument("--adapter-preamble-blocks", type=int, default=mix.preamble_blocks,
+                   help=f"blocks of each adapter's own system prompt before its prompts (default {mix.preamble_blocks})")
+    g.add_argument("--adapter-zipf", type=float, default=mix.zipf_s,
+                   help=f"adapter popularity 1/(i+1)^s over sessions (default {mix.zipf_s:g}; 0: uniform)")
+    g.add_argument("--max-cpu-loras", type=int, default=MAX_CPU_LORAS,
+                   help=f"adapters resident in host memory per replica, least recently used out (default {MAX_CPU_LORAS})")
+    g.add_argument("--lora-load-ms", type=float, default=LORA_LOAD_MS,
+                   help=f"reading an adapter that is not resident from disk, before the prefill (default {LORA_LOAD_MS:g})")
+    g.add_argument("--lora-aware", type=parse_bool, nargs="+", default=[True], metavar="{true,false}",
+                   help="the router hashes and prices adapters (true, the live default) or routes as the base "
+                        "model's (false, the blind baseline); 'true false' runs both arms")
+
+
+def lora_settings(args: argparse.Namespace) -> tuple[AdapterMix, LoraConfig]:
+    """The LoRA flags as the workload's adapter mix and the replicas' adapter memory."""
+    if not args.adapters and len(args.lora_aware) > 1:
+        raise ValueError("--lora-aware with two arms needs --adapters N (without adapters they are one)")
+    mix = AdapterMix(args.adapters, args.adapter_preamble_blocks, args.adapter_zipf, SimConfig.block_size)
+    return mix, LoraConfig(args.max_cpu_loras, args.lora_load_ms)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixgate sim", description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["mooncake", *WORKLOADS], default="mooncake")
@@ -170,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a pull does to the holder's copy in its LRU: keep its place (default), "
                         "touch (most recent, as the real engine's export today), demote (next to evict)")
     add_tier_flags(p)
+    add_lora_flags(p)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--audit", action="store_true",
                    help="routing audit: split each run's gap to the pooled-LRU oracle into causes (lost tokens "
@@ -180,33 +219,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_workload(args: argparse.Namespace) -> list[SimRequest]:
+def load_workload(args: argparse.Namespace, mix: AdapterMix | None = None) -> list[SimRequest]:
+    """The workload's requests, their sessions spread over `mix`'s adapters (none by default)."""
     if args.workload == "mooncake":
-        return load_mooncake(args.trace or default_trace(), sessions=args.sessions, limit=args.limit)
-    reqs = WORKLOADS[args.workload]().generate(seed=args.seed)
-    return reqs[: args.limit] if args.limit else reqs
+        reqs = load_mooncake(args.trace or default_trace(), sessions=args.sessions, limit=args.limit)
+    else:
+        reqs = WORKLOADS[args.workload]().generate(seed=args.seed)
+        reqs = reqs[: args.limit] if args.limit else reqs
+    return mix.apply(reqs, args.seed) if mix is not None else reqs
 
 
 def _ms(seconds: float, any_: bool) -> str:
     return f"{seconds * 1000:>8.1f}ms" if any_ else f"{'-':>10}"
 
 
-def format_table(rows: list[PolicyResult]) -> str:
+def arm_name(aware: bool) -> str:
+    return "aware" if aware else "blind"
+
+
+def format_table(rows: list[PolicyResult], lora: bool = False) -> str:
     """One line per policy; `hit` = device + host + disk + pulled, each column its share of all
-    prompt blocks; MB/req and pull p99 are the pulls', tier p99 the tier copies' time."""
-    head = (f"{'policy':<14}{'hit':>7}{'/pooled':>9}{'device':>8}{'host':>7}{'disk':>7}{'pulled':>8}"
+    prompt blocks; MB/req and pull p99 are the pulls', tier p99 the tier copies' time. With
+    `lora`, each line also names its arm (lora_aware true or false) and the adapter disk reads
+    per request (`loads/req`)."""
+    arm_head, loads_head = (f"{'arm':<7}", f"{'loads/req':>11}") if lora else ("", "")
+    head = (f"{'policy':<14}{arm_head}{'hit':>7}{'/pooled':>9}{'device':>8}{'host':>7}{'disk':>7}{'pulled':>8}"
             f"{'ttft p50':>10}{'ttft p99':>10}{'imbal p95':>11}{'util':>7}{'MB/req':>8}{'pull p99':>10}"
-            f"{'tier p99':>10}  reasons")
+            f"{'tier p99':>10}{loads_head}  reasons")
     lines = [head]
     for r in rows:
         reasons = " ".join(f"{k}={v}" for k, v in sorted(r.reasons.items()))
         t = r.tier_shares
+        arm = f"{arm_name(r.lora_aware):<7}" if lora else ""
+        loads = f"{r.loads_per_request:>11.3f}" if lora else ""
         lines.append(
-            f"{r.policy:<14}{r.hit_rate:>7.1%}{r.hit_vs_pooled:>9.1%}{t['device']:>8.1%}{t['host']:>7.1%}"
+            f"{r.policy:<14}{arm}{r.hit_rate:>7.1%}{r.hit_vs_pooled:>9.1%}{t['device']:>8.1%}{t['host']:>7.1%}"
             f"{t['disk']:>7.1%}{t['pulled']:>8.1%}{r.ttft_p50_s:>9.2f}s{r.ttft_p99_s:>9.2f}s"
             f"{r.imbalance_p95:>11.2f}{r.utilization:>7.0%}{r.bytes_per_request / 1e6:>8.0f}"
             f"{_ms(r.pull_p99_s, r.pulled_blocks > 0)}{_ms(r.tier_p99_s, r.host_hit_blocks + r.disk_hit_blocks > 0)}"
-            f"  {reasons}"
+            f"{loads}  {reasons}"
         )
     return "\n".join(lines)
 
@@ -220,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         transfer = make_transfer(service, {**tier_rates(args), **parse_overrides(args.transfer)})
         router = router_config(args)
         TierConfig.from_flags(args.host_blocks, args.disk_blocks, 1)  # refuses bad tier flags before any run
-        requests = load_workload(args)
+        mix, lora = lora_settings(args)
+        requests = load_workload(args, mix)
     except (OSError, TypeError, ValueError) as e:
         print(f"prefixgate sim: {e}", file=sys.stderr)
         return 2
@@ -237,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     unbounded = unbounded_hits(requests) / total
     print(f"workload {args.workload}: {len(requests)} requests, {total} prompt blocks, "
           f"{distinct} distinct; unbounded-cache oracle hit {unbounded:.1%}")
+    if mix.adapters:
+        print(f"LoRA: {mix.adapters} adapters (Zipf {mix.zipf_s:g}, preambles of {mix.preamble_blocks} blocks), "
+              f"max_cpu_loras {lora.max_cpu_loras}, disk read {lora.load_ms:g} ms; "
+              f"arms: {', '.join(arm_name(a) for a in args.lora_aware)}")
     settings = []
     for n in args.replicas:
         scale = n / BASE_REPLICAS if args.time_scale == "auto" else float(args.time_scale)
@@ -248,27 +304,30 @@ def main(argv: list[str] | None = None) -> int:
             pooled = pooled_hits / total
             config = SimConfig(replicas=n, capacity_blocks=cap, service=service,
                                time_scale=scale, window_s=args.window, transfer=transfer,
-                               pull_holder=args.pull_holder, router=router, tiers=tiers)
+                               pull_holder=args.pull_holder, router=router, tiers=tiers, lora=lora)
             rows = []
             audits: list[str] = []
             per_request = pooled_lru_per_request(requests, combined * n) if audit else None
             t0 = time.perf_counter()
-            for name in args.policies:
+            for aware, name in ((a, p) for a in args.lora_aware for p in args.policies):
+                arm = dataclasses.replace(config, router=dataclasses.replace(router, lora_aware=aware))
+                label = f"{name} ({arm_name(aware)})" if mix.adapters else name
                 recorder = RoutingAudit(config.block_size, router.publish_depth) if audit else None
-                result = run_policy(requests, sim_policy(name, args.seed, policy_opts, transfer), config, recorder)
+                result = run_policy(requests, sim_policy(name, args.seed, policy_opts, transfer), arm, recorder)
                 result.hit_vs_pooled = result.hit_rate / pooled if pooled else float("nan")
                 rows.append(result)
                 if recorder is not None:
                     summary = recorder.summarize(per_request, result.hit_blocks + result.pulled_blocks, pooled_hits)
                     result.audit = summary.to_dict()
-                    audits.append(f"\nrouting audit: {name}, {n} replicas x {cap} blocks\n{summary.format(total)}")
+                    audits.append(f"\nrouting audit: {label}, {n} replicas x {cap} blocks\n{summary.format(total)}")
                     if audit_out is not None:
-                        recorder.write_jsonl(audit_out, policy=name, replicas=n, capacity_blocks=cap)
+                        arm_label = {"lora_aware": aware} if mix.adapters else {}
+                        recorder.write_jsonl(audit_out, policy=name, replicas=n, capacity_blocks=cap, **arm_label)
             below = f" + host {tiers.host_blocks} + disk {tiers.disk_blocks}" if tiers.blocks else ""
             print(f"\n== {n} replicas x {cap} blocks ({spec}){below}, time scale {scale:g}: "
                   f"pooled-LRU oracle hit {pooled:.1%} (at {combined * n} blocks), unbounded {unbounded:.1%} "
                   f"[{time.perf_counter() - t0:.0f}s]")
-            print(format_table(rows))
+            print(format_table(rows, lora=bool(mix.adapters)))
             for text in audits:
                 print(text)
             settings.append({
@@ -285,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             "policy_options": policy_opts, "transfer": dataclasses.asdict(transfer),
             "pull_holder": args.pull_holder, "router": dataclasses.asdict(router), "settings": settings,
         }
+        if mix.adapters:
+            payload["lora"] = {**dataclasses.asdict(mix), **dataclasses.asdict(lora), "arms": args.lora_aware}
         args.json.write_text(json.dumps(payload, indent=2))
     if audit_out is not None:
         audit_out.close()

@@ -4,6 +4,8 @@ Events: arrivals (from the sorted trace), prefill completions and request comple
 heap). Each arrival is routed by the live router's decision path (`SimRouter`: the Decider,
 the in-flight and session memories, `sampled_replicas`, the policy's commit) over an index and
 a load table that read the simulated replicas at that instant (router/sim/sim_router.py).
+Requests under LoRA adapters are hashed and priced as the live router does (`lora_aware`), and
+a replica reads an adapter it does not hold before the prefill (router/sim/lora.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from router.index.memory_index import InMemoryIndex
 from router.policy import Policy
 from router.protocol.media import DISK, HOST
 from router.sim.audit import RoutingAudit
+from router.sim.lora import LoraConfig
 from router.sim.metrics import PolicyResult, percentile, window_imbalance
 from router.sim.replica import Job, SimReplica
 from router.sim.router_config import SimRouterConfig
@@ -43,6 +46,7 @@ class SimConfig:
     pull_holder: str = "keep"  # what a pull does to the holder's LRU: keep | touch | demote (SimReplica)
     router: SimRouterConfig = field(default_factory=SimRouterConfig)  # the live router's options
     tiers: TierConfig = field(default_factory=TierConfig)  # each replica's host and disk tiers
+    lora: LoraConfig = field(default_factory=LoraConfig)  # each replica's LoRA adapters in host memory
 
 
 def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
@@ -52,7 +56,7 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
     index = InMemoryIndex()
     reps = [
         SimReplica(f"r{i}", config.capacity_blocks, config.block_size, config.service, index, config.transfer,
-                   config.pull_holder, config.tiers)
+                   config.pull_holder, config.tiers, config.lora)
         for i in range(config.replicas)
     ]
     by_id = {r.replica_id: r for r in reps}
@@ -71,6 +75,7 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
     tier_times: list[float] = []
     promoted: Counter[str] = Counter()  # hit blocks copied back from each lower tier
     hit_blocks = pulled_blocks = prompt_blocks = rejected = 0
+    adapter_requests = adapter_loads = 0
 
     def start(rep: SimReplica, now: float) -> None:
         end = rep.try_start(now)
@@ -78,13 +83,16 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
             heapq.heappush(heap, (end, next(seq), _PREFILL_DONE, rep, None))
 
     def advance(until: float) -> None:
-        nonlocal hit_blocks, pulled_blocks
+        nonlocal hit_blocks, pulled_blocks, adapter_requests, adapter_loads
         while heap and heap[0][0] <= until:
             now, _, kind, rep, job = heapq.heappop(heap)
             if kind == _PREFILL_DONE:
                 job, end = rep.prefill_done(now)
                 ttfts.append(job.ttft)
                 hit_blocks += job.hit_blocks
+                if job.req.adapter is not None:
+                    adapter_requests += 1
+                    adapter_loads += job.adapter_read
                 if job.promoted:
                     promoted.update(job.promoted)
                     tier_times.append(job.tier_s)
@@ -110,7 +118,7 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
                 audit.rejected(i, req, now)
             continue
         clock.now = now
-        routed = router.decide(router.route_request(req.hashes, req.input_tokens, bs, req.session_id))
+        routed = router.decide(router.route_for(req, bs))
         decision = routed.decision
         reasons[decision.reason] += 1
         if audit is not None:  # before the commit and the enqueue: the state the decision saw
@@ -120,6 +128,7 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
         held = index.match_media(req.hashes, [rep.replica_id])[rep.replica_id]  # what it really holds
         local = held.matched_blocks
         copy = round(rep.copy_tokens(held.tier_blocks))  # bringing its lower-tier part back
+        copy += round(rep.adapter_tokens(req.adapter))  # and reading its adapter from disk
         job = Job(req, now, 0, int(now // config.window_s))
         source, depth = None, 0
         if decision.pull_from is not None and decision.pull_blocks > local:
@@ -164,4 +173,7 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
         imbalance_p95=window_imbalance(work, 95),
         utilization=sum(r.busy_s for r in reps) / (config.replicas * span) if span else 0.0,
         reasons=dict(reasons),
+        adapter_requests=adapter_requests,
+        adapter_loads=adapter_loads,
+        lora_aware=config.router.lora_aware,
     )

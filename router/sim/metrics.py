@@ -54,6 +54,9 @@ class PolicyResult:
     tier_bytes: float = 0.0  # K/V bytes those copies moved
     tier_p99_s: float = math.nan  # modelled copy time per request with a tier hit
     audit: dict | None = None  # with --audit: the gap to the ceilings by cause (router/sim/audit.py)
+    adapter_requests: int = 0  # served under a LoRA adapter
+    adapter_loads: int = 0  # of those, the ones whose replica read the adapter from disk first
+    lora_aware: bool = True  # the router hashed and priced adapters (False: the blind baseline)
 
     @property
     def hit_rate(self) -> float:
@@ -80,8 +83,19 @@ class PolicyResult:
         served = self.requests - self.rejected
         return self.pull_bytes / served if served else 0.0
 
+    @property
+    def loads_per_request(self) -> float:
+        """Adapter disk reads per request served."""
+        served = self.requests - self.rejected
+        return self.adapter_loads / served if served else 0.0
+
     def to_dict(self) -> dict:
         d = asdict(self)
+        if self.adapter_requests:
+            d["adapter_loads_per_request"] = self.loads_per_request
+        else:  # a run without adapters writes what it wrote before they were modelled
+            for key in ("adapter_requests", "adapter_loads", "lora_aware"):
+                del d[key]
         d["hit_rate"] = self.hit_rate
         d["local_hit_rate"] = self.local_hit_rate
         d |= {f"{where}_hit_rate": v for where, v in self.tier_shares.items()}

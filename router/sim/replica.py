@@ -6,7 +6,8 @@ cache entries when its prefill completes, and everything is released when it fin
 membership changes reach the router's index through the same listener hook the real replica
 uses to publish KV events. What the pool evicts moves to the replica's own host and disk tiers
 when it has them (router/sim/tiers.py); a hit there is copied back before the prefill, at the
-tier's modelled rate.
+tier's modelled rate. A request under a LoRA adapter the replica does not hold in host memory
+reads it from disk first, in its prefill slot (router/sim/lora.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from router.index.memory_index import InMemoryIndex
 from router.policy import ReplicaView
 from router.protocol.media import DEVICE
 from router.protocol.redis_schema import LOAD_FIELDS, Heartbeat
+from router.sim.lora import AdapterLru, LoraConfig
 from router.sim.tiers import TierConfig, tier_heartbeat
 from router.sim.workload import SimRequest
 
@@ -61,12 +63,15 @@ class Job:
     pull_depth: int = 0  # ... and the leading blocks read from it at arrival (`export_run`)
     pulled_blocks: int = 0  # blocks copied: those of pull_depth this replica did not hit itself
     pull_s: float = 0.0
+    adapter_read: bool = False  # its LoRA adapter was read from disk before its prefill ...
+    adapter_load_s: float = 0.0  # ... taking this long
 
 
 class SimReplica:
     def __init__(
         self, replica_id: str, capacity_blocks: int, block_size: int, service: ServiceModel, index: InMemoryIndex,
         transfer: TransferModel | None = None, pull_holder: str = "keep", tiers: TierConfig | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         if pull_holder not in HOLDER_MODES:
             raise ValueError(f"pull_holder must be one of {HOLDER_MODES}, got {pull_holder!r}")
@@ -80,6 +85,7 @@ class SimReplica:
         for tier in self.bm.tiers:  # a tier slower than recomputing is never read back
             tier.promote = self.transfer.tier_pays(tier.medium)
         self.bm.listeners.append(IndexFeed(replica_id, index))
+        self.adapters = AdapterLru(lora or LoraConfig())  # LoRA adapters in host memory
         self.queue: deque[Job] = deque()
         self.queued_tokens = 0
         self.current: Job | None = None  # the prefill in progress
@@ -120,18 +126,26 @@ class SimReplica:
         """Its load as a live replica's heartbeat reports it (the LOAD_FIELDS a router reads);
         kv_pull 1: simulated replicas import and export K/V. Pull rates stay 0 (unmeasured): the
         pull policy is given the simulator's transfer model directly. Tiers: their occupancy and
-        modelled rates, with the K/V bytes per token they move, as a live replica reports them."""
+        modelled rates, with the K/V bytes per token they move, as a live replica reports them.
+        LoRA: the resident adapters and the read time, as a live replica reports them."""
         v = self.view(now, 0)
         tiers = tier_heartbeat(self.bm, self.transfer)
         hb = Heartbeat(running=v.running, waiting=v.waiting, pending_prefill_tokens=v.pending_prefill_tokens,
                        free_blocks=v.free_blocks, cached_blocks=v.cached_blocks,
                        capacity_blocks=v.capacity_blocks, kv_pull=1,
-                       kv_bytes_per_token=int(self.transfer.kv_bytes_per_token), **tiers)
+                       kv_bytes_per_token=int(self.transfer.kv_bytes_per_token), **tiers,
+                       **self.adapters.heartbeat())
         return {f: getattr(hb, f) for f in LOAD_FIELDS}
 
     def copy_tokens(self, tier_blocks: dict[str, int]) -> float:
         """Copying these lower-tier blocks back, in prompt tokens of prefill (queued work)."""
         return copy_s(self.transfer, tier_blocks, self.block_size) * self.transfer.prefill_tokens_per_s
+
+    def adapter_tokens(self, identity: str | None) -> float:
+        """Reading this adapter from disk here (0 when resident), in prompt tokens of prefill."""
+        if self.adapters.holds(identity):
+            return 0.0
+        return self.adapters.config.load_ms / 1000 * self.transfer.prefill_tokens_per_s
 
     def queue_len(self) -> int:
         """Requests sent here and not finished: what the live router's own count would say."""
@@ -166,7 +180,9 @@ class SimReplica:
         # request for its engine): only what is left of it when the request is admitted
         # delays the prefill
         pull_left = max(job.arrival + job.pull_s - now, 0.0)
-        dur = job.tier_s + pull_left + self.service.prefill_s(job.uncached, self.decoding)
+        job.adapter_read = self.adapters.use(req.adapter)  # resident from now on
+        job.adapter_load_s = self.adapters.config.load_ms / 1000 if job.adapter_read else 0.0
+        dur = job.tier_s + pull_left + job.adapter_load_s + self.service.prefill_s(job.uncached, self.decoding)
         self.current, self.cur_start, self.cur_end = job, now, now + dur
         self.busy_s += dur
         return self.cur_end

@@ -30,6 +30,7 @@ class SimRouterConfig:
     stale_memory_s: float = STALE_MEMORY_S  # what a degraded (stale) decision remembers
     lookup_sample: int = RedisConfig.sample  # holders sampled where a match ends (Redis lookup)
     lookup_keep: int = RedisConfig.keep  # replicas one lookup reports at most
+    lora_aware: bool = _LIVE.lora_aware  # adapters' prompts hashed and priced under their identity
     # Not in the live router: the live default seed is None (unseeded); a simulation is seeded
     # so that runs repeat
     seed: int | None = 0

@@ -5,8 +5,10 @@ and `on_request_routed`: hash the prompt's leading `publish_depth` blocks, look 
 index (the session's replica with them), score through the live `Decider` (matched, session,
 in-flight and `sampled_replicas` sampled replicas; `degraded` when the lookup fails), then
 remember where the request went, commit it to the policy, mark its fresh blocks in flight and
-renew the session key. Only Redis is replaced: by `SimIndex` over the simulator's exact block
-index and by `SimLoadTable` over its replicas, both on the simulator's clock.
+renew the session key. A request under a LoRA adapter is hashed under the adapter's identity
+and priced by its residency, or, with `lora_aware` off, as the base model's
+(`PrefixGateRouter._adapter`). Only Redis is replaced: by `SimIndex` over the simulator's exact
+block index and by `SimLoadTable` over its replicas, both on the simulator's clock.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from router.sim.index import SimIndex
 from router.sim.loads import SimLoadTable
 from router.sim.replica import SimReplica
 from router.sim.router_config import SimRouterConfig
+from router.sim.workload import SimRequest
 
 
 class SimClock:
@@ -63,9 +66,19 @@ class SimRouter:
         return self.decider._view(replica_id, matched, self.queue_len(replica_id), self.loads.pessimistic())
 
     def route_request(self, hashes: list[int], prompt_tokens: int, block_size: int,
-                      session_id: str | None) -> RouteRequest:
+                      session_id: str | None, adapter: str | None = None) -> RouteRequest:
         """The live router's RouteRequest: only the leading `publish_depth` blocks are hashed."""
-        return RouteRequest(hashes[: self.config.publish_depth], prompt_tokens, block_size, session_id)
+        return RouteRequest(hashes[: self.config.publish_depth], prompt_tokens, block_size, session_id, adapter)
+
+    def route_for(self, req: SimRequest, block_size: int) -> RouteRequest:
+        """The RouteRequest of a simulated request: under its adapter's identity, or with
+        `lora_aware` off (or no adapter) as the base model's keys with no adapter."""
+        if req.adapter is None:
+            return self.route_request(req.hashes, req.input_tokens, block_size, req.session_id)
+        if not self.config.lora_aware:
+            assert req.base_hashes is not None, "a request under an adapter carries its base keys"
+            return self.route_request(req.base_hashes, req.input_tokens, block_size, req.session_id)
+        return self.route_request(req.hashes, req.input_tokens, block_size, req.session_id, req.adapter)
 
     def decide(self, route: RouteRequest) -> Routed:
         """`PrefixGateRouter._decide` with an index that answers (or, with `index_down`, fails)."""

@@ -2,7 +2,8 @@
 
 A request is reduced to what routing and caching depend on: arrival time, the chained block
 keys of its prompt (one per block, the last one possibly partial, as in the Mooncake trace),
-token counts and an optional session id.
+token counts, an optional session id and, under a LoRA adapter, the adapter's identity
+(router/sim/lora.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class SimRequest:
     input_tokens: int
     output_tokens: int
     session_id: str | None = None
+    adapter: str | None = None  # the LoRA adapter's identity (router/sim/lora.py); None: the base model
+    # under an adapter: the blocks' keys as the base model has them (what a router that ignores
+    # adapters hashes); `hashes` are then the keys rooted at the adapter's identity
+    base_hashes: list[int] | None = None
 
 
 def load_mooncake(path: str | Path, *, sessions: str = "none", limit: int | None = None) -> list[SimRequest]:
