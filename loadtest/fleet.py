@@ -162,6 +162,7 @@ def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key
         seed=spec.seed, gateways=spec.gateways,
         default_max_tokens=spec.max_output, max_ongoing_requests=service.max_running,
         max_queued_requests=100_000, redis_timeout_s=lookup_budget_s(spec.wall_scale),
+        flow_control=False,  # the simulator has no gateway queue: requests reach the replicas as they arrive
     )
 
 
