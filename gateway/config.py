@@ -159,7 +159,8 @@ class AppConfig:
                                                          "prefill) past which requests wait in the gateway; a replica "
                                                          "whose heartbeat shows as many is full (default: 2 x max_num_batched_tokens)")
     flow_replica_waiting: int = setting(2, help="a replica whose heartbeat shows this many requests in its own queue is full")
-    flow_kv_free_min: float = setting(0.02, help="a replica with less than this fraction of its K/V blocks free is full")
+    flow_kv_free_min: float = setting(0.02, help="a replica with less than this fraction of its K/V blocks free (or "
+                                                 "holding cached K/V no request uses) is full")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> AppConfig:

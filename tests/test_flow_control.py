@@ -158,6 +158,7 @@ def test_replica_full_by_each_heartbeat_signal():
     assert not replica_full({**idle, "pending_prefill_tokens": 5000}, CAP)  # one long prompt alone
     assert replica_full({**idle, "pending_prefill_tokens": 1000, "waiting": 1}, CAP)  # a request queued behind
     assert replica_full({**idle, "free_blocks": 10}, CAP)
+    assert not replica_full({**idle, "free_blocks": 10, "cached_blocks": 700}, CAP)  # a warm cache: evictable
     assert not fleet_saturated([], CAP) and not fleet_saturated(None, CAP)
     assert fleet_saturated([{**idle, "waiting": 5}, {**idle, "free_blocks": 0}], CAP)
     assert not fleet_saturated([{**idle, "waiting": 5}, idle], CAP)  # one replica still has room

@@ -62,9 +62,13 @@ def replica_full(load: dict[str, int], cap: Capacity) -> bool:
     """A replica short of K/V; or, when other gateways send to it too (`shared`), one with
     `max_waiting` requests in its own queue, or one queued behind at least a budget of pending
     prefill (a single long prompt alone does not fill it). A lone gateway's own ledger already
-    holds what it sends to the replica's queues, exactly and without the heartbeats' lag."""
+    holds what it sends to the replica's queues, exactly and without the heartbeats' lag.
+
+    K/V a new request can take is the free blocks and the cached ones no request holds (evicted
+    on demand): a warm replica's pool is full of cached prefixes, and is not short of K/V."""
     total = load.get("capacity_blocks", 0)
-    if total and load.get("free_blocks", 0) / total < cap.kv_free_min:
+    available = min(load.get("free_blocks", 0) + load.get("cached_blocks", 0), total)
+    if total and available / total < cap.kv_free_min:
         return True
     if not cap.shared:
         return False
