@@ -92,3 +92,17 @@ def test_noisy_neighbour_tiers_reach_the_requests():
     assert completion_body("m", 4, 2, random.Random(0), args.flood_tier)["service_tier"] == "flex"
     assert completion_body("m", 4, 2, random.Random(0), args.quiet_tier)["service_tier"] == "priority"
     assert "service_tier" not in completion_body("m", 4, 2, random.Random(0), parse_args([]).flood_tier)
+
+
+def test_bench_config_option_as_a_user_types_it():
+    """`--config KEY=JSON` reaches the stack's AppConfig fields; a malformed one is refused by
+    the parser, named, before any stack starts."""
+    from loadtest.bench import overload, serving_bench
+    from loadtest.bench.stack_options import config_overrides
+
+    args = overload.parse_args(["--config", "max_queued_requests=128", "--config", 'sim_service={"decode_step_s": 0.01}'])
+    assert config_overrides(args) == {"max_queued_requests": 128, "sim_service": {"decode_step_s": 0.01}}
+    assert config_overrides(serving_bench.parse_args(["--config", "stream_interval_ms=0"])) == {"stream_interval_ms": 0}
+    for bad, why in (("max_queued_requests", "expected KEY=JSON"), ("flow_control=maybe", "not JSON")):
+        r = prefixgate("bench", "overload", "--config", bad)
+        assert r.returncode == 2 and why in r.stderr, r.stderr

@@ -33,6 +33,7 @@ import httpx
 
 from gateway.config import AppConfig
 from gateway.stack import LocalStack
+from loadtest.bench.stack_options import add_config_option, config_overrides
 from loadtest.summary import percentile
 
 KEYS = {"sk-flood": "flood", "sk-quiet": "quiet"}
@@ -242,8 +243,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=10.0, help="flood alone before a window is measured")
     p.add_argument("--settle-s", type=float, default=5.0, help="pause after a flood window (its cancelled requests end)")
     p.add_argument("--port", type=int, default=8124)
-    p.add_argument("--config", action="append", default=[], metavar="KEY=JSON",
-                   help="an AppConfig field for the stack, e.g. flow_prefill_tokens=512 (repeatable)")
+    add_config_option(p, "flow_prefill_tokens=512")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     return p.parse_args(argv)
 
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asdict(asyncio.run(window(**spec)))))
         return 0
     args = parse_args(argv)
-    overrides = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.config)}
+    overrides = config_overrides(args)
     base = dict(engine=args.engine, replicas=args.replicas, api_keys=dict(KEYS), max_model_len=4096,
                 default_max_tokens=64, **overrides)
     if args.engine == "sim":

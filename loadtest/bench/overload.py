@@ -28,6 +28,7 @@ import httpx
 from gateway.config import AppConfig
 from gateway.stack import LocalStack
 from loadtest.bench.noisy_neighbour import completion_body, stream_completion
+from loadtest.bench.stack_options import add_config_option, config_overrides
 from loadtest.summary import percentile
 
 
@@ -142,15 +143,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--queue-wait-s", type=float, default=5.0, help="the stack's queue_wait_default_s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8125)
-    p.add_argument("--config", action="append", default=[], metavar="KEY=JSON",
-                   help="an AppConfig field for the stack, e.g. max_queued_requests=128 (repeatable)")
+    add_config_option(p, "max_queued_requests=128")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    overrides = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.config)}
+    overrides = config_overrides(args)
     config = dict(engine=args.engine, replicas=args.replicas, max_model_len=4096, queue_wait_default_s=args.queue_wait_s,
                   **overrides)
     if args.engine == "sim":

@@ -20,6 +20,7 @@ import psutil
 
 from gateway.config import AppConfig
 from gateway.stack import APP_NAME, LocalStack
+from loadtest.bench.stack_options import add_config_option, config_overrides
 from loadtest.summary import percentile
 
 # every modelled cost near zero: the engine is never the bottleneck (router/costs/service.py)
@@ -100,18 +101,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=2, help="completions per stream, one after another")
     p.add_argument("--max-tokens", type=int, default=300, help="output tokens per completion (ignore_eos)")
     p.add_argument("--port", type=int, default=8123)
-    p.add_argument("--config", action="append", default=[], metavar="KEY=JSON",
-                   help="an AppConfig field for the stack, e.g. stream_interval_ms=0 (repeatable)")
+    add_config_option(p, "stream_interval_ms=0")
     p.add_argument("--json", metavar="FILE", help="also write the levels as JSON")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    overrides = {}
-    for item in args.config:
-        key, _, raw = item.partition("=")
-        overrides[key] = json.loads(raw)
+    overrides = config_overrides(args)
     peak = max(args.streams)
     config = AppConfig(engine="sim", replicas=args.replicas, gateways=args.gateways, sim_service=dict(NEAR_ZERO_SERVICE),
                        max_num_seqs=peak, max_ongoing_requests=peak, max_queued_requests=peak, max_model_len=8192,
