@@ -7,6 +7,7 @@ no torch. Which one runs is the factory's choice (replica/serve/replica_settings
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -27,9 +28,10 @@ from router.protocol.lora import AdapterRef
 from router.protocol.sampling import SamplingParams
 
 
-class LocalBackend:
+class LocalBackend(abc.ABC):
     """An engine of ours (LLMEngine or SimEngine) on its own step thread: what both share.
-    `ModelBackend` and `SimBackend` below say what differs, so nothing here asks which it is."""
+    `ModelBackend` and `SimBackend` below say what differs (the abstract methods), so nothing
+    here asks which it is."""
 
     name = ""  # one of ENGINE_NAMES, set by each subclass
 
@@ -42,15 +44,17 @@ class LocalBackend:
         )
         self.capabilities = self._capabilities(engine)
 
+    @abc.abstractmethod
     def _kv_bytes_per_token(self, engine) -> int:
-        raise NotImplementedError
+        """K/V bytes one token occupies (the router prices pulls with it)."""
 
+    @abc.abstractmethod
     def _capabilities(self, engine) -> Capabilities:
-        raise NotImplementedError
+        """What this engine does beyond streaming tokens (engine_protocol.Capabilities)."""
 
+    @abc.abstractmethod
     def _engine_kwargs(self, extras: RequestExtras) -> dict[str, Any]:
         """`extras` as the engine's add_request takes them."""
-        raise NotImplementedError
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
                  cache_salt: str | None = None, adapter: AdapterRef | None = None, priority: int = 0,
