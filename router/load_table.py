@@ -166,6 +166,8 @@ class LoadTable:
             except asyncio.CancelledError:
                 raise
             except (IndexUnavailable, Exception) as e:  # keep the last table; unknown stays unknown
+                if asyncio.current_task().cancelling():  # a cancel that Python 3.11's wait_for swallowed
+                    return
                 log.debug("load table refresh failed: %r", e)
             await asyncio.sleep(self.refresh_s)
 

@@ -294,3 +294,32 @@ def test_one_late_reply_costs_one_lookup_and_late_replies_in_a_row_trip_the_cool
             await index.close()
 
     asyncio.run(main())
+
+
+def test_stop_ends_the_loop_when_a_call_turns_the_cancel_into_an_error(redis_url, prefix):
+    """Python 3.11's wait_for can swallow a cancel, and a dead engine answers the snapshot with
+    an error: either way stop() (and asyncio.run's final cancel) must end the loop, not leave it
+    retrying every second forever."""
+    from replica.serve.publisher import BlockPublisher, PublisherConfig
+
+    snapshots = []
+
+    async def snapshot():
+        snapshots.append(1)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise RuntimeError("engine is shut down") from None  # the cancel comes back as an error
+        return []
+
+    async def scenario():
+        publisher = BlockPublisher(PublisherConfig(redis_url, "rstop", prefix), snapshot=snapshot, load=dict)
+        publisher.start()
+        while not snapshots:  # bounded by the wait_for below
+            await asyncio.sleep(0.01)
+        await publisher.stop()
+        assert publisher._task.done() and not publisher._task.cancelled()
+        assert publisher.stats.errors == 0  # the loop saw the stop, not a Redis failure to retry
+        return len(snapshots)
+
+    assert asyncio.run(asyncio.wait_for(scenario(), timeout=60)) == 1

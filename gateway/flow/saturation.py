@@ -153,6 +153,8 @@ class HeartbeatReader:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis away: loads() goes None after max_age_s; try again later
+                if asyncio.current_task().cancelling():  # a cancel that Python 3.11's wait_for swallowed
+                    return
                 log.debug("heartbeat read failed: %r", e)
                 await self._drop()
                 delay = 1.0

@@ -80,6 +80,7 @@ class BlockPublisher:
         self._holder = f"{config.replica_id}/{uuid.uuid4().hex[:8]}"
         self.stats = PublisherStats()
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._client: Client | None = None
 
     @property
@@ -122,9 +123,11 @@ class BlockPublisher:
 
     # ---- background task -----------------------------------------------------------------
     def start(self) -> None:
+        self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self, unregister: bool = True) -> None:
+        self._stopping = True  # the loop checks it too: Python 3.11's wait_for can swallow a cancel
         if self._task is not None:
             self._task.cancel()
             # bounded: a Redis call stuck in a socket must not hang the replica's shutdown
@@ -146,7 +149,7 @@ class BlockPublisher:
         next_beat = next_gc = 0.0
         bound = self.config.timeout_s * 4  # no Redis call may hang the loop (e.g. a stuck TLS handshake)
         writer: IndexWriter | None = None
-        while True:
+        while not self._stopping:
             try:
                 if writer is None:
                     self._client = await asyncio.wait_for(open_client(self.config.redis_url, self.config.timeout_s), bound)
@@ -169,8 +172,8 @@ class BlockPublisher:
                 await asyncio.sleep(self.config.flush_s)
             except (Exception, asyncio.CancelledError) as e:  # never let publishing die
                 task = asyncio.current_task()
-                if isinstance(e, asyncio.CancelledError) and (task is None or task.cancelling()):
-                    raise  # stop() cancelled us; a CancelledError from inside a Redis call is an error
+                if self._stopping or task is None or task.cancelling():
+                    return  # stop() cancelled us; a CancelledError from inside a Redis call is an error
                 self.stats.errors += 1
                 if self.stats.connected:
                     log.warning("redis unavailable (%r); will resync when it is back", e)
