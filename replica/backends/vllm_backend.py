@@ -493,10 +493,14 @@ class VllmBackend:
         # requests submitted since vLLM's last step report count as waiting, not as absent
         waiting = max(fig.waiting, len(self._inflight) - fig.running)
         used = min(f.num_blocks, round(fig.kv_usage * f.num_blocks))
+        # vLLM's free queue holds its evictable cached blocks too: split it as our engine does
+        # (free = never-used, cached = unreferenced with K/V), so free + cached = what a request
+        # can take, and a warm vLLM replica that is short of K/V shows it (gateway/flow/saturation.py)
+        cached = min(self.translator.num_held, f.num_blocks - used)
         return EngineStats(
             running=fig.running, waiting=waiting, prompt_tokens=fig.queried_tokens, cached_tokens=fig.hit_tokens,
-            blocks_total=f.num_blocks, blocks_used=used, blocks_cached=self.translator.num_held,
-            blocks_free=f.num_blocks - used, evictions=self.translator.stats.removed, preemptions=fig.preemptions,
+            blocks_total=f.num_blocks, blocks_used=used, blocks_cached=cached,
+            blocks_free=f.num_blocks - used - cached, evictions=self.translator.stats.removed, preemptions=fig.preemptions,
             pending_prefill_tokens=sum(r.prompt_tokens for r in unstarted), steps=fig.steps,
             generated_tokens=self._generated, lora_resident=list(self._lora_resident), lora_load_s=self._lora_load_s,
         )
