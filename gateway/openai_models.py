@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -91,9 +92,9 @@ class _Sampling(_Strict):
             raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
         return stops
 
+    @abc.abstractmethod  # pydantic's model metaclass is an ABCMeta: the two request kinds say it their way
     def top_logprobs_requested(self) -> int | None:
         """None: no logprobs; k: the chosen token's logprob and the k most likely tokens."""
-        raise NotImplementedError
 
     def engine_params(self) -> dict[str, Any]:
         """Penalties, logprobs and response_format as replica SamplingParams fields."""

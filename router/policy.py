@@ -7,6 +7,7 @@ randomness goes through a `random.Random(seed)` owned by the policy, so runs are
 
 from __future__ import annotations
 
+import abc
 import bisect
 import random
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ def _queued(v: ReplicaView) -> int:
     return v.running + v.waiting
 
 
-class Policy:
+class Policy(abc.ABC):
     """Base class: `choose` picks one of the live replicas for a request."""
 
     name = "base"
@@ -108,6 +109,7 @@ class Policy:
         self.commit(request, decision.replica_id, decision.matched_blocks, len(replicas))
         return decision
 
+    @abc.abstractmethod
     def decide(
         self,
         request: RouteRequest,
@@ -116,10 +118,10 @@ class Policy:
     ) -> Decision:
         """Pick a replica without recording anything: a router may call it again for the same
         request, and only `commit` (once the request really went somewhere) has effects."""
-        raise NotImplementedError
 
     def commit(self, request: RouteRequest, replica_id: str, matched_blocks: int, fleet_size: int) -> None:
         """The request was routed to `replica_id` (the policy's pick or a fallback)."""
+        return None  # a hook: stateless policies record nothing
 
     def cost(self, request: RouteRequest, v: ReplicaView) -> float:
         """What sending the request to `v` costs, in prefill-token equivalents: ranks fallbacks."""
