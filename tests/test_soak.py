@@ -214,7 +214,7 @@ def test_step_loop_soak_with_aborts(tiny_model_dirs) -> None:
     steps = 0
     t0 = time.monotonic()
     while submitted < total or engine.has_unfinished:
-        assert steps < 30_000 and time.monotonic() - t0 < 300, (  # ~2k steps when healthy
+        assert steps < 30_000, (  # ~2k steps when healthy: more is a livelock (pytest-timeout guards a hang)
             f"the step loop does not drain: {steps} steps, {submitted} submitted, {dict(outcomes)}, {engine.stats()}")
         for _ in range(rng.randrange(0, 4)):  # arrivals
             if submitted < total and len(engine.requests) < 40:

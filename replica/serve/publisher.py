@@ -173,7 +173,8 @@ class BlockPublisher:
             except (Exception, asyncio.CancelledError) as e:  # never let publishing die
                 task = asyncio.current_task()
                 if self._stopping or task is None or task.cancelling():
-                    return  # stop() cancelled us; a CancelledError from inside a Redis call is an error
+                    return  # stopped or cancelled, even if the cancel came back as another error
+                # here a CancelledError raised inside a Redis call, with no cancel pending, is a failure
                 self.stats.errors += 1
                 if self.stats.connected:
                     log.warning("redis unavailable (%r); will resync when it is back", e)
