@@ -2,6 +2,10 @@
 PY := .venv/bin/python
 # The suite runs in its written order; scripts/stress_suite.sh --shuffle runs it shuffled (pytest-randomly).
 PYTEST_ARGS ?= -p no:randomly
+# make test's pytest-xdist workers: a module is one work unit, the modules on the session's Ray
+# Serve stack one unit together (tests/helpers/workers.py). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 .PHONY: install run test test-fast lint bench sim
 
@@ -12,7 +16,7 @@ run: install
 	$(PY) -m gateway.cli serve $(ARGS)
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # The quick tiers only (tests/helpers/tiers.py): no Redis, Ray or vLLM, no slow test; about a minute.
 test-fast: install

@@ -1,5 +1,6 @@
 """Fixtures and hooks only: tiny random models of several families, the real default model,
-Redis, the Ray Serve stack; the tier markers (tests/helpers/tiers.py). Helpers the test modules
+Redis, the Ray Serve stack; the tier markers (tests/helpers/tiers.py); the work units of
+make test's workers (tests/helpers/workers.py). Helpers the test modules
 share live in tests/helpers/. torch loads in the fixtures that need it, not here: a pure test
 does not pay for it."""
 
@@ -20,6 +21,7 @@ from tests.helpers.tiers import (
     tier_markers,
     tier_of,
 )
+from tests.helpers.workers import share, worker_count
 
 TORCH_THREADS = min(2, os.cpu_count() or 1)
 _threads_set = False
@@ -43,11 +45,15 @@ def pytest_collection_modifyitems(config, items):
     (tests/helpers/tiers.py); every collected test's record goes to the stash for
     tests/test_tiers.py."""
     collected = config.stash.setdefault(COLLECTED, {})
+    tiers = {}
     for item in items:
         tier = tier_of(item.fixturenames, item_params(item), tier_markers(item))
         if tier not in tier_markers(item):
             item.add_marker(getattr(pytest.mark, tier))
         collected[item.nodeid] = record(item)
+        tiers[item.nodeid] = tier
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's workers (tests/helpers/workers.py)
+        share(items, lambda item: tiers[item.nodeid], worker_count())
 
 
 class _RuntimeFixtureTiers:

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -243,7 +242,6 @@ def test_multinode_cluster_routes_session_back_to_worker_replica():
     out = workdir / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, str(ROOT / "tests" / "multinode_driver.py"), "--out", str(out), "--workdir", str(workdir)]
-    start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=300)
@@ -256,7 +254,6 @@ def test_multinode_cluster_routes_session_back_to_worker_replica():
             output, _ = proc.communicate()
         leftovers = kill_leftovers(workdir)
         pytest.fail(f"multi-node driver timed out; killed leftovers {leftovers}; logs in {workdir}\n{output[-4000:]}")
-    elapsed = time.monotonic() - start
     leftovers = kill_leftovers(workdir)
     assert out.exists(), f"no report (exit {proc.returncode}); logs in {workdir}\n{output[-4000:]}"
     report = json.loads(out.read_text())
@@ -278,7 +275,6 @@ def test_multinode_cluster_routes_session_back_to_worker_replica():
     assert turn2["route"] == "prefix"
     assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert any('reason="prefix"' in ln for ln in report["route_metrics"])
-    assert elapsed < 240, f"multi-node test took {elapsed:.0f}s"
     shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -16,13 +16,13 @@ from gateway.config import AppConfig
 from gateway.procstats import proc_memory, serve_replica_pids
 from replica.default_model import DEFAULT_MODEL_NAME
 
-pytestmark = [pytest.mark.slow, pytest.mark.serve]  # `fleet` asks for the stack by name
+pytestmark = pytest.mark.slow
 APP = "simfleet"
 REPLICAS, GATEWAYS = 8, 2
 
 
 @pytest.fixture(scope="module")
-def fleet(request, redis_server):
+def fleet(stack, redis_server):
     from ray import serve
 
 
@@ -31,7 +31,6 @@ def fleet(request, redis_server):
         gateways=GATEWAYS, engine="sim", num_blocks=256, block_size=16, default_max_tokens=8,
         max_model_len=4096, redis_timeout_s=1.0,  # a loaded CI machine must not turn lookups into fallbacks
     )
-    stack = request.getfixturevalue("stack")  # beside the session's stack, whatever ran before
     url = stack.deploy(config, name=APP, route_prefix=f"/{APP}")
     yield url, APP
     serve.delete(APP)

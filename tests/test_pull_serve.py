@@ -51,8 +51,9 @@ def _until(cond, what: str, timeout_s: float = 20.0):
         time.sleep(0.05)
 
 
-def _complete(gw, prompt: list[int], max_tokens: int) -> httpx.Response:
-    r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
+def _complete(gw, prompt: list[int], max_tokens: int, session: str | None = None) -> httpx.Response:
+    headers = {"x-session-id": session} if session else {}
+    r = httpx.post(f"{gw.url}/v1/completions", timeout=120, headers=headers,
                    json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
     assert r.status_code == 200, r.text
     return r
@@ -61,7 +62,8 @@ def _complete(gw, prompt: list[int], max_tokens: int) -> httpx.Response:
 def test_busy_holder_means_the_other_replica_pulls_the_prefix(pull_gateway):
     gw = pull_gateway
     base = [1000 + (i * 7919 + 13) % 40000 for i in range(8 * BLOCK)]  # 8 full blocks
-    first = _complete(gw, base + [5], 1)
+    session = f"busy-{uuid.uuid4().hex[:6]}"  # the long request follows the first to the holder by its session
+    first = _complete(gw, base + [5], 1, session)
     holder = first.headers["x-prefixgate-replica"]
     _until(lambda: gw.redis.scard(gw.keys.blocks(holder)) >= 8, "the holder's blocks in the index")
     # heartbeats carry what the router prices pulls with (sim: its modelled rates and K/V size)
@@ -74,15 +76,16 @@ def test_busy_holder_means_the_other_replica_pulls_the_prefix(pull_gateway):
 
     def long_request() -> None:
         try:
-            long_reply["r"] = _complete(gw, base + [6], 240)
+            long_reply["r"] = _complete(gw, base + [6], 240, session)
         finally:
             long_done.set()
 
     t = threading.Thread(target=long_request, daemon=True)
     t.start()
     try:
-        _until(lambda: int(gw.redis.hget(gw.keys.heartbeat(holder), "running") or 0) >= 1,
+        _until(lambda: int(gw.redis.hget(gw.keys.heartbeat(holder), "running") or 0) >= 1 or long_done.is_set(),
                "the holder running the long request")
+        assert not long_done.is_set(), f"the long request ended before the holder's heartbeat showed it: {long_reply}"
         r = _complete(gw, base + [7], 1)
         other = r.headers["x-prefixgate-replica"]
         assert other != holder

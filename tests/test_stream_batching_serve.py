@@ -18,7 +18,7 @@ APP = "batching"
 
 
 @pytest.fixture(scope="module")
-def sim_app(request, redis_server):
+def sim_app(stack, redis_server):
     from ray import serve
 
     config = AppConfig.from_dict({
@@ -26,7 +26,6 @@ def sim_app(request, redis_server):
         "num_blocks": 256, "stream_interval_ms": 200,  # as a Serve config sets it
         "sim_service": {"decode_step_s": 0.01, "prefill_overhead_s": 0.0},
     })
-    stack = request.getfixturevalue("stack")
     url = stack.deploy(config, name=APP, route_prefix=f"/{APP}")
     yield url
     serve.delete(APP)

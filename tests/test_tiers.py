@@ -112,7 +112,7 @@ def _tier(collected: dict, nodeid_start: str) -> set[str]:
     ("tests/test_redis_security.py::", "redis"),  # its own redis-servers
     ("tests/test_redis_index.py::test_resync_after_redis_restart_and_fast_failure_while_down", "redis"),
     ("tests/test_shutdown.py::", "serve"),  # `prefixgate serve` in a subprocess
-    ("tests/test_light_processes.py::test_chat_sessions_hit_their_cache", "serve"),  # the stack by getfixturevalue
+    ("tests/test_light_processes.py::test_chat_sessions_hit_their_cache", "serve"),  # the stack, through its fixture
     ("tests/test_ray_up.py::", "cluster"),
     ("tests/test_infra.py::test_multinode_cluster_routes_session_back_to_worker_replica", "cluster"),
     ("tests/test_vllm_backend.py::", "vllm"),
@@ -166,3 +166,66 @@ def test_conftest_and_helpers_load_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# ---- make test's workers (tests/helpers/workers.py) ------------------------------------------------
+class _Item:
+    """Only what workers.share reads and writes of a pytest item."""
+
+    def __init__(self, nodeid: str, fixtures=()):
+        self.nodeid, self.fixturenames, self.groups = nodeid, list(fixtures), []
+
+    def add_marker(self, mark):
+        self.groups.append(mark.args[0])
+
+
+def test_workers_split_the_stack_modules_by_their_seconds_and_start_the_heaviest_units_first():
+    from tests.helpers.workers import STACK_UNIT, share
+
+    items = [
+        _Item("tests/test_a.py::one"), _Item("tests/test_a.py::two"),
+        _Item("tests/test_b.py::uses", ["stack"]), _Item("tests/test_b.py::plain"),
+        _Item("tests/test_c.py::vllm"),
+        _Item("tests/test_d.py::uses", ["redis_server", "stack"]),
+        _Item("tests/test_e.py::uses", ["stack"]),
+        _Item("tests/test_f.py::new"),  # not recorded yet: priced by its tier
+    ]
+    tiers = {"tests/test_a.py": "pure", "tests/test_b.py": "serve", "tests/test_c.py": "vllm", "tests/test_d.py": "serve",
+             "tests/test_e.py": "serve", "tests/test_f.py": "cluster"}
+    recorded = {"tests/test_a.py": 1.0, "tests/test_b.py": 100.0, "tests/test_c.py": 50.0, "tests/test_d.py": 60.0,
+                "tests/test_e.py": 30.0}
+    share(items, lambda item: tiers[item.nodeid.split("::")[0]], 2, recorded)
+    unit = {i.nodeid: i.groups[0] for i in items}
+    # a module's tests share a unit, the stack's modules too; the stack's modules make two units
+    # of near-equal seconds (100 | 60 + 30), one per worker
+    assert unit["tests/test_b.py::uses"] == unit["tests/test_b.py::plain"] == f"{STACK_UNIT}-0"
+    assert unit["tests/test_d.py::uses"] == unit["tests/test_e.py::uses"] == f"{STACK_UNIT}-1"
+    assert unit["tests/test_a.py::one"] == unit["tests/test_a.py::two"] == "tests/test_a.py"
+    # heaviest unit first (100, 90, 50, 20 by its tier, 1); the collected order inside a unit
+    assert [i.nodeid for i in items] == [
+        "tests/test_b.py::uses", "tests/test_b.py::plain", "tests/test_d.py::uses", "tests/test_e.py::uses",
+        "tests/test_c.py::vllm", "tests/test_f.py::new", "tests/test_a.py::one", "tests/test_a.py::two"]
+
+
+def test_the_record_reads_a_durations_report():
+    from tests.helpers.workers import recorded_seconds, seconds_from_report
+
+    report = ("============ slowest durations ============\n"
+              "12.50s call     tests/test_x.py::test_one[a-b]\n"
+              "2.00s setup    tests/test_x.py::test_one[a-b]\n"
+              "0.50s teardown tests/test_y.py::Case::test_two\n"
+              "(3 durations < 0.005s hidden.)\n")
+    assert seconds_from_report(report) == {"tests/test_x.py": 14.5, "tests/test_y.py": 0.5}
+    record = recorded_seconds()  # the checked-in record names modules that exist
+    assert record and {Path(ROOT / m).exists() for m in record} == {True}
+
+
+def test_make_test_runs_the_workers_with_their_units():
+    """The Makefile's pytest-xdist options: loadgroup (the units) without xdist's own reordering
+    by test count (the order share() chose)."""
+    make = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    line = next(ln for ln in make.stdout.splitlines() if "pytest" in ln)
+    assert "-n 2 --dist loadgroup --no-loadscope-reorder" in line, line
+    make = subprocess.run(["make", "-n", "test", "TEST_WORKERS=0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    line = next(ln for ln in make.stdout.splitlines() if "pytest" in ln)
+    assert "-n" not in line.split() and "--dist" not in line, line
