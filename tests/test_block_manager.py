@@ -151,8 +151,8 @@ def _net_cached(rec):
 
 
 def _check(bm: BlockManager, live):
-    free = set(bm._free)
-    lru = set(bm._lru)
+    free = set(bm.pool.free_ids)
+    lru = set(bm.pool.lru)
     assert not free & lru
     referenced = {b for b in range(bm.num_blocks) if bm.ref_count[b] > 0}
     assert not referenced & (free | lru), "a block is both free and referenced"

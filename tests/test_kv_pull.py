@@ -280,7 +280,7 @@ def test_export_through_the_engine_loop_demotes_the_holders_copy(tiny_model_dirs
     assert kv.first == 2 and kv.hashes == hashes[2:] and missing is None
     assert engine.blocks.num_used == 0  # every pin released
     # the exported blocks are now the next to evict (last block first), ahead of the older-used prompt's head
-    lru = list(engine.blocks._lru)
+    lru = list(engine.blocks.pool.lru)
     exported = [engine.blocks.hash_to_block[h] for h in hashes[2:]]
     assert lru[: len(exported)] == exported[::-1]
     assert puller.snapshot().exports == 1 and puller.stats.exported_bytes == kv.nbytes

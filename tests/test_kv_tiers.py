@@ -167,7 +167,7 @@ def test_copies_always_land_where_the_bookkeeping_says(ops, pool, host, disk):
         for tier in bm.tiers:
             for h, e in tier.entries.items():
                 assert data[tier.medium][e.slot] == h
-        for block, slot in bm._shadow.items():  # a write-behind copy is its block's K/V
+        for block, slot in bm.chain.shadow.items():  # a write-behind copy is its block's K/V
             assert data[bm.tiers[0].medium][slot] == bm.block_hash[block]
         for medium in (DEVICE, HOST, DISK):
             assert rec.held[medium] == {h for h, _, m in held if m == medium}

@@ -86,7 +86,7 @@ def check_pool_at_rest(engine: LLMEngine) -> None:
     assert not engine.sampler._generators, "per-request sampler state leaked"
     assert all(c == 0 for c in b.ref_count), [i for i, c in enumerate(b.ref_count) if c]
     assert b.num_used == 0
-    free, lru = list(b._free), list(b._lru)
+    free, lru = list(b.pool.free_ids), list(b.pool.lru)
     assert len(set(free)) == len(free) and not set(free) & set(lru)
     assert sorted(free + lru) == list(range(b.num_blocks))
     assert all(b.block_hash[i] is None for i in free)
@@ -100,8 +100,8 @@ def check_pool_in_flight(engine: LLMEngine) -> None:
     held = Counter(block for seq in engine.scheduler.running for block in seq.table.block_ids)
     assert all(not seq.table.block_ids for seq in engine.scheduler.waiting), "a waiting sequence holds blocks"
     assert all(b.ref_count[i] == held.get(i, 0) for i in range(b.num_blocks)), "ref counts drifted"
-    free, lru = set(b._free), set(b._lru)
-    assert not free & lru and len(free) == len(b._free)
+    free, lru = set(b.pool.free_ids), set(b.pool.lru)
+    assert not free & lru and len(free) == len(b.pool.free_ids)
     for i in range(b.num_blocks):
         in_use = b.ref_count[i] > 0
         assert in_use + (i in free) + (i in lru) == 1, f"block {i} is in {in_use + (i in free) + (i in lru)} states"

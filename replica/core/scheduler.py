@@ -117,12 +117,13 @@ class Scheduler:
             if seq.adapter is not None and not self.adapters.can_admit(seq.adapter):
                 passed.append(self.waiting.popleft())
                 continue
-            if not self.blocks.can_allocate(seq.table, seq.num_tokens, budget):
+            plan = self.blocks.plan(seq.table, seq.num_tokens, budget)
+            if plan is None:
                 break
             self.waiting.popleft()
             if seq.adapter is not None:
                 seq.lora_slot = self.adapters.acquire(seq.adapter)
-            cached = self.blocks.allocate(seq.table, seq.num_tokens, budget)
+            cached = self.blocks.allocate(seq.table, plan=plan)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = cached
             seq.num_computed = cached
