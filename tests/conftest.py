@@ -21,10 +21,12 @@ from tests.helpers.tiers import (
     tier_markers,
     tier_of,
 )
-from tests.helpers.workers import share, worker_count
+from tests.helpers.workers import STACK_UNIT, share, unit_name, worker_count
 
 TORCH_THREADS = min(2, os.cpu_count() or 1)
 _threads_set = False
+_STACKS: list = []  # the session's stack, once started
+_stopped_early: list[str] = []  # the stack unit after which this worker stopped it
 
 
 def _torch():
@@ -84,6 +86,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_setup(item):
+    if _stopped_early and "stack" in item.fixturenames:  # workers.share gives each worker one stack unit
+        pytest.fail(f"{item.nodeid} needs the stack, stopped after this worker's unit {_stopped_early[0]}")
     if "torch" in sys.modules and not _threads_set:  # or a test's own late import of it
         _torch()
 
@@ -149,8 +153,21 @@ def stack(redis_server):
         stall_timeout_s=10,  # tests/test_faults.py freezes a replica: wait 10 s for it, not 30
     )
     s = LocalStack(config, port=free_port(), metrics_port=free_port()).start()  # metrics: tests/test_metrics.py
+    _STACKS.append(s)
     yield s
-    s.stop()
+    s.stop()  # stopped already where the worker finished its stack unit (pytest_runtest_teardown)
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Under make test's workers, the stack serves one work unit (tests/helpers/workers.py): stop
+    it after that unit's last test, not when the worker's other units are done too, so its idle
+    Ray cluster does not take CPU and memory from them."""
+    yield
+    unit = unit_name(item)
+    if _STACKS and unit is not None and unit.startswith(STACK_UNIT) and unit != unit_name(nextitem):
+        _STACKS.pop().stop()
+        _stopped_early.append(unit)
 
 
 @pytest.fixture(scope="session")

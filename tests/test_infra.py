@@ -244,7 +244,7 @@ def test_multinode_cluster_routes_session_back_to_worker_replica():
     cmd = [sys.executable, str(ROOT / "tests" / "multinode_driver.py"), "--out", str(out), "--workdir", str(workdir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        output, _ = proc.communicate(timeout=300)
+        output, _ = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the driver tears its cluster down on SIGTERM
         try:

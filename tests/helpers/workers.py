@@ -77,6 +77,12 @@ def share(items: list[pytest.Item], tier_of_item: Callable[[pytest.Item], str], 
     items[:] = [i for unit in sorted(units, key=lambda u: -unit_cost[u]) for i in units[unit]]
 
 
+def unit_name(item: pytest.Item | None) -> str | None:
+    """The work unit `share` gave an item (None outside make test's workers, or no item)."""
+    mark = item.get_closest_marker("xdist_group") if item is not None else None
+    return mark.args[0] if mark is not None else None
+
+
 def worker_count() -> int:
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
