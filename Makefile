@@ -3,9 +3,9 @@ PY := .venv/bin/python
 # The suite runs in its written order; scripts/stress_suite.sh --shuffle runs it shuffled (pytest-randomly).
 PYTEST_ARGS ?= -p no:randomly
 # make test's pytest-xdist workers: a module is one work unit, the modules on the session's Ray
-# Serve stack one unit together (tests/helpers/workers.py). TEST_WORKERS=0 runs it in one process.
+# Serve stack one unit per worker (tests/helpers/workers.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 .PHONY: install run test test-fast lint bench sim
 

@@ -21,7 +21,15 @@ from tests.helpers.tiers import (
     tier_markers,
     tier_of,
 )
-from tests.helpers.workers import STACK_UNIT, share, unit_name, worker_count
+from tests.helpers.workers import (
+    STACK_UNIT,
+    UNITS_FILE,
+    hand_over,
+    share,
+    unit_name,
+    unit_scheduling,
+    worker_count,
+)
 
 TORCH_THREADS = min(2, os.cpu_count() or 1)
 _threads_set = False
@@ -55,7 +63,9 @@ def pytest_collection_modifyitems(config, items):
         collected[item.nodeid] = record(item)
         tiers[item.nodeid] = tier
     if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's workers (tests/helpers/workers.py)
-        share(items, lambda item: tiers[item.nodeid], worker_count())
+        units = share(items, lambda item: tiers[item.nodeid], worker_count())
+        if os.environ.get(UNITS_FILE):
+            hand_over(units)
 
 
 class _RuntimeFixtureTiers:
@@ -76,8 +86,25 @@ class _RuntimeFixtureTiers:
 
 
 def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        # the controller of make test's workers: where they hand it their units (workers.py)
+        import tempfile
+
+        os.environ[UNITS_FILE] = os.path.join(tempfile.mkdtemp(prefix="prefixgate-units-"), "units.json")
     if not config.pluginmanager.has_plugin("prefixgate-runtime-tiers"):
         config.pluginmanager.register(_RuntimeFixtureTiers(), "prefixgate-runtime-tiers")
+
+
+def pytest_unconfigure(config):
+    if os.environ.get(UNITS_FILE) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import shutil
+
+        shutil.rmtree(os.path.dirname(os.environ.pop(UNITS_FILE)), ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return unit_scheduling(config, log) if os.environ.get(UNITS_FILE) else None
 
 
 def pytest_collection_finish(session):
@@ -87,7 +114,7 @@ def pytest_collection_finish(session):
 
 def pytest_runtest_setup(item):
     if _stopped_early and "stack" in item.fixturenames:  # workers.share gives each worker one stack unit
-        pytest.fail(f"{item.nodeid} needs the stack, stopped after this worker's unit {_stopped_early[0]}")
+        pytest.fail(f"{item.nodeid} ({unit_name(item)}) needs the stack, stopped after this worker's unit {_stopped_early[0]}")
     if "torch" in sys.modules and not _threads_set:  # or a test's own late import of it
         _torch()
 

@@ -173,14 +173,11 @@ class _Item:
     """Only what workers.share reads and writes of a pytest item."""
 
     def __init__(self, nodeid: str, fixtures=()):
-        self.nodeid, self.fixturenames, self.groups = nodeid, list(fixtures), []
-
-    def add_marker(self, mark):
-        self.groups.append(mark.args[0])
+        self.nodeid, self.fixturenames, self.stash = nodeid, list(fixtures), {}
 
 
 def test_workers_split_the_stack_modules_by_their_seconds_and_start_the_heaviest_units_first():
-    from tests.helpers.workers import STACK_UNIT, share
+    from tests.helpers.workers import STACK_UNIT, share, unit_name
 
     items = [
         _Item("tests/test_a.py::one"), _Item("tests/test_a.py::two"),
@@ -194,8 +191,9 @@ def test_workers_split_the_stack_modules_by_their_seconds_and_start_the_heaviest
              "tests/test_e.py": "serve", "tests/test_f.py": "cluster"}
     recorded = {"tests/test_a.py": 1.0, "tests/test_b.py": 100.0, "tests/test_c.py": 50.0, "tests/test_d.py": 60.0,
                 "tests/test_e.py": 30.0}
-    share(items, lambda item: tiers[item.nodeid.split("::")[0]], 2, recorded)
-    unit = {i.nodeid: i.groups[0] for i in items}
+    units = share(items, lambda item: tiers[item.nodeid.split("::")[0]], 2, recorded)
+    unit = {i.nodeid: unit_name(i) for i in items}
+    assert units == {i.nodeid.split("::")[0]: unit[i.nodeid] for i in items}  # what the controller's scheduler reads
     # a module's tests share a unit, the stack's modules too; the stack's modules make two units
     # of near-equal seconds (100 | 60 + 30), one per worker
     assert unit["tests/test_b.py::uses"] == unit["tests/test_b.py::plain"] == f"{STACK_UNIT}-0"
@@ -221,11 +219,11 @@ def test_the_record_reads_a_durations_report():
 
 
 def test_make_test_runs_the_workers_with_their_units():
-    """The Makefile's pytest-xdist options: loadgroup (the units) without xdist's own reordering
-    by test count (the order share() chose)."""
+    """The Makefile's pytest-xdist options: loadscope (its scopes are our units: workers.py)
+    without xdist's own reordering by test count (the order share() chose)."""
     make = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     line = next(ln for ln in make.stdout.splitlines() if "pytest" in ln)
-    assert "-n 2 --dist loadgroup --no-loadscope-reorder" in line, line
+    assert "-n 2 --dist loadscope --no-loadscope-reorder" in line, line
     make = subprocess.run(["make", "-n", "test", "TEST_WORKERS=0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     line = next(ln for ln in make.stdout.splitlines() if "pytest" in ln)
     assert "-n" not in line.split() and "--dist" not in line, line
