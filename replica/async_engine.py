@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from replica.core.engine_types import EngineStats, RequestOutput
+from replica.core.engine_types import NO_OPTIONS, AddOptions, EngineStats, RequestOutput
 from router.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the sim engine duck-types it; importing it at run time would load torch
@@ -61,12 +61,12 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        **extra: Any,
+        options: AddOptions = NO_OPTIONS,
     ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token; the last has finished=True.
 
-        Invalid requests raise InvalidRequestError before anything is queued. `extra` goes to
-        LLMEngine.add_request (e.g. prefix_output_token_ids for a migrated stream).
+        Invalid requests raise InvalidRequestError before anything is queued. `options`: a
+        migrated stream's output, priority, adapter, pulled K/V (the engine's add_request_with).
         """
         rid = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -75,7 +75,7 @@ class AsyncLLMEngine:
         def add(engine: LLMEngine) -> None:
             if rid in self._streams:
                 raise ValueError(f"duplicate request id {rid}")
-            engine.add_request(prompt, params, request_id=rid, cache_salt=cache_salt, **extra)
+            engine.add_request_with(prompt, params, rid, cache_salt, options)
             self._streams[rid] = (loop, queue)
 
         finished = False

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from replica.core.detokenizer import Detokenizer
 from replica.core.engine_core import EngineCore
-from replica.core.engine_types import InvalidRequestError, RequestOutput
+from replica.core.engine_types import AddOptions, InvalidRequestError, RequestOutput
 from replica.core.sequence import Sequence
 from replica.default_model import resolve_model
 from replica.engine_config import EngineConfig
@@ -144,6 +144,14 @@ class LLMEngine(EngineCore):
             self._import_kv(kv_prefix, seq)
         self.enqueue(seq)
         return seq.request_id
+
+    def add_request_with(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str | None,
+                         cache_salt: str | None, options: AddOptions) -> str:
+        """add_request with its options as one typed value (AsyncLLMEngine's way in)."""
+        if options.kv_pull_blocks:
+            raise InvalidRequestError("this engine imports pulled K/V (kv_prefix), not a modelled pull")
+        return self.add_request(prompt, params, request_id, cache_salt, options.prefix_output_token_ids,
+                                options.prefix_text_len, options.kv_prefix, options.adapter, options.priority)
 
     def _import_kv(self, kv: kv_transfer.KvBlocks, seq: Sequence) -> None:
         """Pulled blocks into the cache; a payload that cannot be used only costs a recompute."""

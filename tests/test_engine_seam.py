@@ -174,3 +174,30 @@ def test_a_pull_hint_reaches_the_sim_engine_as_a_typed_extra_and_only_from_anoth
         assert isinstance(refused, ErrorChunk) and refused.code == 400 and "logprobs" in refused.message
     finally:
         backend.shutdown()
+
+
+def test_engine_options_are_typed_and_an_engine_refuses_what_it_cannot_honour(tiny_model_dirs):
+    """Below the seam a request's options travel as one AddOptions into each engine's
+    add_request_with: our engine takes pulled K/V, not a modelled pull; the sim engine the
+    opposite; an adapter roots the sim engine's hashes as it does ours."""
+    from replica.backends.sim_engine import SimEngine
+    from replica.core.engine_types import AddOptions, InvalidRequestError
+    from replica.engine import LLMEngine
+    from router.protocol.lora import AdapterRef
+
+    params = SamplingParams(max_tokens=1)
+    real = LLMEngine(tiny_model_dirs["llama"], num_blocks=32)
+    with pytest.raises(InvalidRequestError, match="modelled pull"):
+        real.add_request_with([5] * 40, params, "r1", None, AddOptions(kv_pull_blocks=2))
+    assert real.add_request_with([5] * 40, params, "r2", None, AddOptions(priority=-1)) == "r2"
+    assert real.requests["r2"].priority == -1
+
+    sim = SimEngine(num_blocks=64, max_loras=2)
+    with pytest.raises(InvalidRequestError, match="no K/V"):
+        sim.add_request_with([5] * 40, params, "s1", None, AddOptions(kv_prefix=object()))
+    sim.add_adapter(AdapterRef(name="tutor", path="/adapters/tutor", digest="d1"))
+    sim.add_request_with(list(range(40)), params, "base", None, AddOptions())
+    sim.add_request_with(list(range(40)), params, "tutor", None, AddOptions(adapter="tutor", priority=1))
+    base, tutor = sim.requests["base"], sim.requests["tutor"]
+    assert tutor.adapter == "tutor" and tutor.priority == 1
+    assert base.table.hashes and base.table.hashes[0] != tutor.table.hashes[0]  # no hit across adapters

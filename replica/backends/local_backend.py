@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from replica.backends.engine_protocol import (
     ModelFacts,
     RequestExtras,
 )
-from replica.core.engine_types import EngineStats, RequestOutput
+from replica.core.engine_types import AddOptions, EngineStats, RequestOutput
 from replica.engine_config import EngineConfig
 from router.protocol.events import KVEventListener
 from router.protocol.lora import AdapterRef
@@ -53,26 +54,26 @@ class LocalBackend(abc.ABC):
         """What this engine does beyond streaming tokens (engine_protocol.Capabilities)."""
 
     @abc.abstractmethod
-    def _engine_kwargs(self, extras: RequestExtras) -> dict[str, Any]:
-        """`extras` as the engine's add_request takes them."""
+    def _options(self, extras: RequestExtras, priority: int) -> AddOptions:
+        """`extras` as the engine's add_request_with takes them."""
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
                  cache_salt: str | None = None, adapter: AdapterRef | None = None, priority: int = 0,
                  extras: RequestExtras = NO_EXTRAS) -> AsyncIterator[RequestOutput]:
-        kwargs = {"priority": priority, **self._engine_kwargs(extras)}
+        options = self._options(extras, priority)
         if adapter is None:
-            return self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, **kwargs)
-        return self._generate_adapter(adapter, prompt_token_ids, params, request_id, cache_salt, kwargs)
+            return self.engine.generate(prompt_token_ids, params, request_id, cache_salt, options)
+        return self._generate_adapter(adapter, prompt_token_ids, params, request_id, cache_salt,
+                                      dataclasses.replace(options, adapter=adapter.name))
 
     async def _generate_adapter(self, adapter: AdapterRef, prompt_token_ids, params, request_id, cache_salt,
-                                kwargs: dict) -> AsyncIterator[RequestOutput]:
+                                options: AddOptions) -> AsyncIterator[RequestOutput]:
         """Under a LoRA adapter, read from its directory first if this replica lacks it (one
         loaded at run time, or on a replica started since). An adapter already served costs no
         round trip to the step thread (a dict read; the add re-checks there)."""
         if self.engine.engine.adapters.get(adapter.name) != adapter:
             await self.engine.submit(lambda engine: serve_adapter(engine, adapter))
-        stream = self.engine.generate(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
-                                      adapter=adapter.name, **kwargs)
+        stream = self.engine.generate(prompt_token_ids, params, request_id, cache_salt, options)
         async with contextlib.aclosing(stream) as outputs:
             async for out in outputs:
                 yield out
@@ -141,9 +142,8 @@ class ModelBackend(LocalBackend):
     def _capabilities(self, engine) -> Capabilities:
         return Capabilities(kv_export=True, kv_import=True, lora=engine.adapter_slots is not None)
 
-    def _engine_kwargs(self, extras: RequestExtras) -> dict[str, Any]:
-        return {"prefix_output_token_ids": extras.prefix_output_token_ids, "prefix_text_len": extras.prefix_text_len,
-                "kv_prefix": extras.kv_prefix}
+    def _options(self, extras: RequestExtras, priority: int) -> AddOptions:
+        return AddOptions(extras.prefix_output_token_ids, extras.prefix_text_len, priority, kv_prefix=extras.kv_prefix)
 
     def pull_peer(self, replica_id: str, timeout_s: float) -> KvPullPeer | None:
         from replica.kv_io import kv_pull
@@ -172,9 +172,9 @@ class SimBackend(LocalBackend):
         return Capabilities(kv_export=True, kv_import=True, logprobs=False, grammar=False,
                             lora=engine.adapter_slots is not None)
 
-    def _engine_kwargs(self, extras: RequestExtras) -> dict[str, Any]:
-        return {"prefix_output_token_ids": extras.prefix_output_token_ids, "prefix_text_len": extras.prefix_text_len,
-                "kv_pull_blocks": extras.pull_blocks}
+    def _options(self, extras: RequestExtras, priority: int) -> AddOptions:
+        return AddOptions(extras.prefix_output_token_ids, extras.prefix_text_len, priority,
+                          kv_pull_blocks=extras.pull_blocks)
 
     def load_extra(self) -> dict[str, int | float]:
         e = self.engine.engine

@@ -28,7 +28,7 @@ import xxhash
 
 from replica.core.detokenizer import Detokenizer
 from replica.core.engine_core import EngineCore
-from replica.core.engine_types import RequestOutput, TierUsage
+from replica.core.engine_types import AddOptions, InvalidRequestError, RequestOutput, TierUsage
 from replica.core.scheduler import ScheduledChunk
 from replica.core.sequence import Sequence
 from replica.engine_config import SimEngineConfig
@@ -190,11 +190,13 @@ class SimEngine(EngineCore):
         prefix_text_len: int | None = None,
         kv_pull_blocks: int = 0,
         priority: int = 0,
+        adapter: str | None = None,
     ) -> str:
         """As LLMEngine.add_request, token ids only (the gateway tokenises). `kv_pull_blocks`:
-        the router's pull hint, modelled (`_land_pulls`)."""
+        the router's pull hint, modelled (`_land_pulls`). `adapter`: a served adapter's name
+        (its identity roots the prompt's hashes; its compute is not modelled)."""
         seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len,
-                                priority=priority)
+                                adapter, priority)
         self._digest[seq.request_id] = xxhash.xxh64_intdigest(array("I", seq.prompt_token_ids).tobytes(), seed=seq.params.seed or 0)
         bs = self.config.block_size
         pull = min(kv_pull_blocks, len(seq.table.hashes), max(seq.num_prompt_tokens - 1, 0) // bs)
@@ -209,6 +211,14 @@ class SimEngine(EngineCore):
         else:
             self.enqueue(seq)
         return seq.request_id
+
+    def add_request_with(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str | None,
+                         cache_salt: str | None, options: AddOptions) -> str:
+        """add_request with its options as one typed value (AsyncLLMEngine's way in)."""
+        if options.kv_prefix is not None:
+            raise InvalidRequestError("the sim engine models pulls (kv_pull_blocks); it takes no K/V")
+        return self.add_request(prompt, params, request_id, cache_salt, options.prefix_output_token_ids,
+                                options.prefix_text_len, options.kv_pull_blocks, options.priority, options.adapter)
 
     def _land_pulls(self) -> None:
         """Hinted requests whose modelled transfer has ended: their blocks not held here go into

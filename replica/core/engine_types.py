@@ -9,8 +9,9 @@ loading either.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from replica.core.request_metrics import RequestMetrics
 
@@ -26,6 +27,23 @@ class InvalidRequestError(ValueError):
 
 class UnknownAdapterError(InvalidRequestError):
     """A request names a LoRA adapter this engine does not serve (a 404, as vLLM answers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AddOptions:
+    """What an engine's add_request takes beyond the prompt, sampling, id and salt, as one typed
+    value from the backend (which builds it from the request's RequestExtras) through
+    AsyncLLMEngine to the engine, which refuses a field it cannot honour (`add_request_with`)."""
+
+    prefix_output_token_ids: Seq[int] = ()  # a migrated stream's output so far
+    prefix_text_len: int | None = None
+    priority: int = 0  # lower runs first
+    adapter: str | None = None  # a served LoRA adapter's name
+    kv_prefix: Any = None  # replica.kv_io.kv_transfer.KvBlocks, pulled K/V: our engine only
+    kv_pull_blocks: int = 0  # the router's pull hint, modelled: the sim engine only
+
+
+NO_OPTIONS = AddOptions()
 
 
 @dataclass
