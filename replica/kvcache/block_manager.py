@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from replica.kvcache.block_pool import BlockPool, NoFreeBlocksError
+from replica.kvcache.block_pool import BlockPool, NoFreeBlocksError, same_tokens
 from replica.kvcache.kv_tiers import LowerTier, TierEvents, TierMove
 from replica.kvcache.tier_chain import TierChain
 from router.protocol.events import KVEventListener
@@ -148,8 +148,7 @@ class BlockManager:
             tier = self.chain.holder(h)
             if tier is None or not tier.promote:
                 break
-            stored = tier.entries[h].tokens
-            if tokens is not None and stored is not None and tuple(tokens[i * bs : (i + 1) * bs]) != stored:
+            if not same_tokens(tier.entries[h].tokens, tokens, i * bs, bs):
                 break
             run.append((tier.medium, h))
         return run

@@ -26,6 +26,13 @@ class Evicted(NamedTuple):
     tokens: tuple[int, ...] | None
 
 
+def same_tokens(stored: tuple[int, ...] | None, tokens: list[int] | None, start: int, size: int) -> bool:
+    """Whether a block that holds `stored` holds tokens[start:start+size]: a hash hit is only
+    taken when it does, since xxh64 is not collision resistant. No tokens on either side (the
+    simulator): trusted. For pool blocks and lower tiers' entries alike."""
+    return tokens is None or stored is None or tuple(tokens[start : start + size]) == stored
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -51,11 +58,8 @@ class BlockPool:
         return len(self.free_ids) + len(self.lru)
 
     def holds(self, block: int, tokens: list[int] | None, start: int, size: int) -> bool:
-        """Whether a hashed block holds these tokens (tokens[start:start+size]); a hash hit is
-        only taken when it does, since xxh64 is not collision resistant. No tokens on either
-        side (the simulator): trusted."""
-        stored = self.block_tokens[block]
-        return tokens is None or stored is None or tuple(tokens[start : start + size]) == stored
+        """Whether a hashed block holds these tokens (tokens[start:start+size])."""
+        return same_tokens(self.block_tokens[block], tokens, start, size)
 
     def leading_run(self, hashes: list[int], tokens: list[int] | None, block_size: int) -> list[int]:
         """Block ids held here for hashes[0], hashes[1], ... up to the first one missing or
