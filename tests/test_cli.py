@@ -3,6 +3,7 @@ directly after its name (gateway/cli.py forwards the raw argv to the subcommand'
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,19 @@ def test_noisy_neighbour_tiers_reach_the_requests():
     assert completion_body("m", 4, 2, random.Random(0), args.flood_tier)["service_tier"] == "flex"
     assert completion_body("m", 4, 2, random.Random(0), args.quiet_tier)["service_tier"] == "priority"
     assert "service_tier" not in completion_body("m", 4, 2, random.Random(0), parse_args([]).flood_tier)
+
+
+def test_noisy_neighbour_flood_client_runs_at_the_servers_niceness():
+    """`--flood-nice N`: the flood's client process runs at niceness N (default Ray's workers'),
+    the quiet client at 0. Empty windows (0 s): the processes start, report, and send nothing."""
+    from loadtest.bench.noisy_neighbour import RAY_WORKER_NICENESS, measure, parse_args
+
+    base = os.nice(0)
+    for argv, flood_nice in ((["--flood-nice", "7"], 7), ([], RAY_WORKER_NICENESS)):
+        args = parse_args([*argv, "--duration", "0", "--warmup-s", "0"])
+        w = measure(args, "http://127.0.0.1:9", "m", quiet=True, flood=(4, 2), seed=0)
+        assert (w.flood_nice, w.quiet_nice) == (min(base + flood_nice, 19), base)
+        assert w.flood_requests == 0 and not w.quiet_ttft_ms
 
 
 def test_bench_config_option_as_a_user_types_it():

@@ -156,3 +156,29 @@ def test_an_urgent_prompt_does_not_wait_for_the_prefills_admitted_before_it():
     assert run(0) == (1, True)  # at the next step, while both floods are still in prefill
     steps, _ = run(1)
     assert steps > 1
+
+
+def test_an_urgent_prompt_gets_a_step_of_its_own_prefill_and_the_decodes():
+    """A running flex prefill yields to a priority prompt, and flex prompts queued behind do not
+    fill the step it yielded: the step is the urgent prefill and the decodes. The step after,
+    the flex prefill goes on."""
+    bm = BlockManager(512, BS)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
+    decoding = _seq(list(range(10, 14)), max_tokens=32)
+    decoding.priority = 1
+    sched.add(decoding)
+    _step(sched)  # its prompt in one step: it decodes from now on
+    long, queued = _seq(list(range(1000, 1400)), max_tokens=1), _seq(list(range(2000, 2400)), max_tokens=1)
+    long.priority = queued.priority = 1
+    sched.add(long)
+    _step(sched)  # the long prompt runs: a prefill in progress
+    sched.add(queued)
+    urgent = _seq(list(range(5000, 5016)), max_tokens=1)
+    urgent.priority = -1
+    sched.add(urgent)
+    chunks = {id(c.seq): c for c in _step(sched)}
+    assert set(chunks) == {id(urgent), id(decoding)}  # neither flex prefill shares it
+    assert chunks[id(urgent)].end == 16 and chunks[id(decoding)].end - chunks[id(decoding)].start == 1
+    assert queued.status is Status.WAITING
+    chunks = {id(c.seq): c for c in _step(sched)}
+    assert chunks[id(long)].end - chunks[id(long)].start > 1  # then the flex prefill goes on

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from gateway.stack import LocalStack
 from loadtest.bench.stack_options import add_config_option, config_overrides
 from loadtest.summary import percentile
 
+RAY_WORKER_NICENESS = 15  # Ray starts its workers (the replicas, the gateway, the proxy) at this niceness
 KEYS = {"sk-flood": "flood", "sk-quiet": "quiet"}
 # flood shapes: (prompt tokens, max_tokens) per request
 SHAPES = {"long-prompts": (1500, 32), "long-outputs": (200, 256)}
@@ -48,6 +50,8 @@ class Window:
     flood_requests: int = 0
     refused: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    flood_nice: int | None = None  # the niceness each tenant's client process ran at
+    quiet_nice: int | None = None
 
 
 @dataclass
@@ -177,8 +181,11 @@ def measure(args: argparse.Namespace, base: str, model: str, quiet: bool, flood:
         roles.append({**common, "quiet": False, "flood": list(flood), "seed": seed})
     if quiet:
         roles.append({**common, "quiet": True, "flood": None, "flood_streams": 0, "seed": seed + 100})
+    def niced(role: dict):  # the flood's load generator runs at the servers' niceness, never above them
+        return (lambda: os.nice(args.flood_nice)) if args.flood_nice and not role["quiet"] else None
+
     procs = [subprocess.Popen([sys.executable, "-m", "loadtest.bench.noisy_neighbour", "--client", json.dumps(r)],
-                              stdout=subprocess.PIPE, text=True) for r in roles]
+                              stdout=subprocess.PIPE, text=True, preexec_fn=niced(r)) for r in roles]
     out = Window(seconds=args.duration)
     for proc in procs:
         stdout, _ = proc.communicate()
@@ -190,6 +197,8 @@ def measure(args: argparse.Namespace, base: str, model: str, quiet: bool, flood:
         out.flood_requests += part.flood_requests
         for k, v in part.refused.items():
             out.refused[k] = out.refused.get(k, 0) + v
+        out.flood_nice = part.flood_nice if part.flood_nice is not None else out.flood_nice
+        out.quiet_nice = part.quiet_nice if part.quiet_nice is not None else out.quiet_nice
     return out
 
 
@@ -243,6 +252,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=10.0, help="flood alone before a window is measured")
     p.add_argument("--settle-s", type=float, default=5.0, help="pause after a flood window (its cancelled requests end)")
     p.add_argument("--port", type=int, default=8124)
+    p.add_argument("--flood-nice", type=int, default=RAY_WORKER_NICENESS,
+                   help="the flood client's niceness (default: Ray's workers', so the load generator never outranks "
+                        "the servers it loads on a shared machine; the quiet client, the instrument, runs at 0)")
     add_config_option(p, "flow_prefill_tokens=512")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     return p.parse_args(argv)
@@ -254,7 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(argv[1])
         if spec["flood"]:
             spec["flood"] = tuple(spec["flood"])
-        print(json.dumps(asdict(asyncio.run(window(**spec)))))
+        out = asyncio.run(window(**spec))
+        if spec["quiet"]:
+            out.quiet_nice = os.nice(0)
+        else:
+            out.flood_nice = os.nice(0)
+        print(json.dumps(asdict(out)))
         return 0
     args = parse_args(argv)
     overrides = config_overrides(args)

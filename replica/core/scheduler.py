@@ -12,8 +12,10 @@ A request for a LoRA adapter is admitted only when its adapter can hold one of t
 Priority (vLLM's `scheduling_policy="priority"`: lower values first, arrival order within one):
 waiting sequences are admitted, and running ones served each step, in (priority, arrival)
 order; the pool's victim is the running sequence last in that order; and a running prefill
-behind the waiting head's priority yields its step to that head, so a short urgent prompt does
-not wait for the prefills admitted before it. `long_prefill_token_threshold` (vLLM's) caps one
+behind the waiting head's priority yields its step to that head, and that step admits only
+sequences that outrank the prefills that yielded, so a short urgent prompt neither waits for the
+prefills admitted before it nor shares its step with the ones queued behind it (its step is its
+prefill and the decodes: the shortest step that serves it). `long_prefill_token_threshold` (vLLM's) caps one
 prefill chunk while sequences wait, so a long prompt leaves part of every step's budget to
 those behind it: a short prompt that arrives during a long prefill starts within one step.
 """
@@ -94,10 +96,12 @@ class Scheduler:
         # 1. running sequences in (priority, arrival) order: decodes and unfinished prefills; a
         #    prefill behind the waiting head's priority yields its chunk to that head (step 2)
         head = self._admissible_head(budget)
+        yielded: tuple[int, int] | None = None  # the first (priority, arrival) of a prefill that yielded to the head
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if head is not None and _order(head) < _order(seq) and seq.num_tokens - seq.num_computed > 1:
+                yielded = _order(seq) if yielded is None else min(yielded, _order(seq))
                 i += 1
                 continue
             n = self._chunk(seq, budget)
@@ -114,6 +118,8 @@ class Scheduler:
         passed: list[Sequence] = []  # waiting for an adapter slot: stay at the head, in order
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if yielded is not None and _order(seq) >= yielded:
+                break  # the step a prefill yielded is the urgent head's: nothing it outranks fills it
             if seq.adapter is not None and not self.adapters.can_admit(seq.adapter):
                 passed.append(self.waiting.popleft())
                 continue
