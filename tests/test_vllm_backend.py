@@ -148,13 +148,13 @@ def test_bad_input_gets_an_openai_4xx_on_vllm(vllm_app, body, what):
     assert error["type"] == "invalid_request_error" and error["message"], error
 
 
-@settings(FUZZ, max_examples=12)
+@settings(FUZZ, max_examples=6)
 @given(raw=bodies(COMPLETION_FIELDS))
 def test_fuzz_completions_on_vllm(vllm_app, raw: bytes) -> None:
     _fuzz(vllm_app[0], "/v1/completions", raw, Counter())
 
 
-@settings(FUZZ, max_examples=12)
+@settings(FUZZ, max_examples=6)
 @given(raw=bodies(CHAT_FIELDS))
 def test_fuzz_chat_on_vllm(vllm_app, raw: bytes) -> None:
     _fuzz(vllm_app[0], "/v1/chat/completions", raw, Counter())
