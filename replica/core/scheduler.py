@@ -96,12 +96,12 @@ class Scheduler:
         # 1. running sequences in (priority, arrival) order: decodes and unfinished prefills; a
         #    prefill behind the waiting head's priority yields its chunk to that head (step 2)
         head = self._admissible_head(budget)
-        yielded: tuple[int, int] | None = None  # the first (priority, arrival) of a prefill that yielded to the head
+        yielded: tuple[int, int] | None = None  # (priority, arrival) of the first prefill that yielded to the head
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if head is not None and _order(head) < _order(seq) and seq.num_tokens - seq.num_computed > 1:
-                yielded = _order(seq) if yielded is None else min(yielded, _order(seq))
+                yielded = yielded or _order(seq)  # running is in that order: the first is the least
                 i += 1
                 continue
             n = self._chunk(seq, budget)
