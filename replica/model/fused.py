@@ -41,17 +41,18 @@ def fuse_projections(model: nn.Module) -> int:
 
 def concat_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One Linear whose output is the parts' outputs side by side (biases too; a part without
-    bias contributes zeros when another has one)."""
+    bias contributes zeros when another has one). Built on the meta device and given the
+    concatenated tensors: a randomly initialised Linear would cost a replica's start-up about
+    half a second of initialisation thrown away."""
     weight = torch.cat([p.weight.detach() for p in parts])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=any(p.bias is not None for p in parts),
-                      device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(weight)
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([
-                p.bias.detach() if p.bias is not None else weight.new_zeros(p.out_features) for p in parts
-            ]))
-    return fused.requires_grad_(False)
+    has_bias = any(p.bias is not None for p in parts)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta", dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([
+            p.bias.detach() if p.bias is not None else weight.new_zeros(p.out_features) for p in parts
+        ]), requires_grad=False)
+    return fused
 
 
 def _fuse_attention(module: nn.Module) -> None:
