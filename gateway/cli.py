@@ -10,6 +10,7 @@ from gateway import shutdown
 from gateway.config import AppConfig
 from gateway.config_cli import add_config_args, config_values
 from gateway.fleet_args import add_fleet_args, sim_service_overrides
+from gateway.ingress import DEFAULT_INGRESS, INGRESSES
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -18,6 +19,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    p.add_argument("--ingress", choices=INGRESSES, default=DEFAULT_INGRESS,
+                   help="what takes HTTP on --port: Serve's Python proxy, or HAProxy forwarding to the gateways' own "
+                        "HTTP servers with Serve's throughput settings (gateway/ingress.py; not with --ray-address)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="the local Ray node exports every replica's and router's metrics at http://127.0.0.1:P/metrics "
                         "(with --ray-address: set it on `ray start --metrics-export-port` instead)")
@@ -59,15 +63,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print("[prefixgate] --ray-address needs --redis-url (or REDIS_URL): replicas on other nodes "
                   "cannot reach a Redis started on 127.0.0.1 here", file=sys.stderr)
             return 2
+        if args.ray_address and args.ingress != DEFAULT_INGRESS:
+            print(f"[prefixgate] --ingress {args.ingress} applies to a Ray this command starts: a cluster joined with "
+                  "--ray-address takes it from its nodes' environment (docs/deploy.md)", file=sys.stderr)
+            return 2
         stack = LocalStack(config, port=args.port, host=args.host, ray_address=args.ray_address,
-                           metrics_port=args.metrics_port)
+                           metrics_port=args.metrics_port, ingress=args.ingress)
         models = config.model_configs()
         for model in models:
             resolve_model(model.model)  # convert the bundled model once, before replicas start
         replicas = ", ".join(f"{m.replicas} {m.engine} replicas" + (f" of {m.served_name}" if len(models) > 1 else "")
                              for m in models)
         print(f"[prefixgate] starting: {replicas}, {config.gateways} gateway(s), "
-              f"policy {config.policy}, port {args.port}", flush=True)
+              f"policy {config.policy}, port {args.port} ({args.ingress})", flush=True)
         if args.ray_address and args.metrics_port:
             print("[prefixgate] --metrics-port is ignored with --ray-address: each node exports at the port "
                   "its `ray start --metrics-export-port` gave", file=sys.stderr)

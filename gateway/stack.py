@@ -11,6 +11,7 @@ import psutil
 
 from gateway.config import AppConfig
 from gateway.health import serve_problems
+from gateway.ingress import DEFAULT_INGRESS, apply
 from gateway.local_redis import LocalRedis
 from gateway.loopback import is_loopback, loopback_ray
 from gateway.shutdown import keep_handlers
@@ -22,8 +23,9 @@ APP_NAME = "prefixgate"
 
 class LocalStack:
     def __init__(self, config: AppConfig, port: int = 8000, host: str = "127.0.0.1", ray_address: str | None = None,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, ingress: str = DEFAULT_INGRESS) -> None:
         self.config = config
+        self.ingress = ingress  # gateway/ingress.py: Serve's proxy or HAProxy, for a Ray this stack starts
         self.port, self.host = port, host
         self.ray_address = ray_address
         self.metrics_port = metrics_port  # the local Ray node's Prometheus export port (None: Ray picks)
@@ -34,6 +36,8 @@ class LocalStack:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 300.0) -> LocalStack:
+        if not self.ray_address:
+            apply(self.ingress)  # before Serve is imported here
         import ray
         from ray import serve
 

@@ -20,15 +20,15 @@ def prefixgate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 # each subcommand, and options (or sub-subcommands) of its own that its help must list
 HELP = {
-    ("serve",): ["--redis-url", "--port", "--ray-address", "--metrics-port", "--policy"],
+    ("serve",): ["--redis-url", "--port", "--ray-address", "--metrics-port", "--policy", "--ingress"],
     ("chat",): ["--url", "--session"],
     ("bench",): ["engine", "router", "serving", "lora-routing", "noisy-neighbour", "overload"],
     ("bench", "engine"): ["prefixgate bench engine", "--requests", "--new-tokens", "--threads"],
     ("bench", "router"): ["prefixgate bench router", "--blocks", "--prompt-tokens", "--cluster"],
-    ("bench", "serving"): ["prefixgate bench serving", "--streams", "--replicas", "--max-tokens", "--config"],
+    ("bench", "serving"): ["prefixgate bench serving", "--streams", "--replicas", "--max-tokens", "--config", "--ingress"],
     ("bench", "lora-routing"): ["prefixgate bench lora-routing", "--adapters", "--max-cpu-loras"],
-    ("bench", "noisy-neighbour"): ["prefixgate bench noisy-neighbour", "--flood-tier", "--quiet-tier", "--modes"],
-    ("bench", "overload"): ["prefixgate bench overload", "--factor", "--queue-wait-s", "--capacity-clients"],
+    ("bench", "noisy-neighbour"): ["prefixgate bench noisy-neighbour", "--flood-tier", "--quiet-tier", "--modes", "--ingress"],
+    ("bench", "overload"): ["prefixgate bench overload", "--factor", "--queue-wait-s", "--capacity-clients", "--ingress"],
     ("sim",): ["prefixgate sim", "--replicas", "--capacity", "--limit", "--policies", "--host-blocks"],
     ("loadtest",): ["prefixgate loadtest", "run", "compare", "summarize", "plot"],
     ("loadtest", "run"): ["--url", "--preset", "--plot"],
@@ -120,3 +120,34 @@ def test_bench_config_option_as_a_user_types_it():
     for bad, why in (("max_queued_requests", "expected KEY=JSON"), ("flow_control=maybe", "not JSON")):
         r = prefixgate("bench", "overload", "--config", bad)
         assert r.returncode == 2 and why in r.stderr, r.stderr
+
+
+def test_bench_serving_ingress_as_a_user_types_it():
+    """`--ingress proxy haproxy` measures each front on a stack of its own, in a child process
+    given the user's other options, one ingress and its own JSON file; a front Ray lacks is
+    refused by the parser."""
+    from loadtest.bench import serving_bench
+
+    argv = ["--streams", "16", "64", "--ingress", "proxy", "haproxy", "--json", "/tmp/x.json", "--requests", "2"]
+    assert serving_bench.parse_args(argv).ingress == ["proxy", "haproxy"]
+    assert serving_bench.parse_args(["--streams", "4"]).ingress == ["proxy"]
+    assert serving_bench.child_argv(argv, "haproxy", "/tmp/c.json") == [
+        "--streams", "16", "64", "--requests", "2", "--ingress", "haproxy", "--json", "/tmp/c.json"]
+    child = serving_bench.parse_args(serving_bench.child_argv(argv, "proxy", "/tmp/c.json"))
+    assert (child.ingress, child.streams, child.requests, child.json) == (["proxy"], [16, 64], 2, "/tmp/c.json")
+    r = prefixgate("bench", "serving", "--ingress", "envoy")
+    assert r.returncode == 2 and "invalid choice: 'envoy'" in r.stderr, r.stderr
+    from loadtest.bench import noisy_neighbour, overload
+
+    for bench in (noisy_neighbour, overload):  # one front each, the stack's
+        assert bench.parse_args(["--ingress", "haproxy"]).ingress == "haproxy"
+        assert bench.parse_args([]).ingress == "proxy"
+
+
+def test_serve_refuses_what_a_joined_cluster_decides():
+    """With --ray-address, Redis must be named (replicas elsewhere cannot reach a local one) and
+    the ingress is the cluster's own (its nodes' environment): both refused before anything starts."""
+    r = prefixgate("serve", "--ray-address", "127.0.0.1:9")
+    assert r.returncode == 2 and "--ray-address needs --redis-url" in r.stderr, r.stderr
+    r = prefixgate("serve", "--ray-address", "127.0.0.1:9", "--redis-url", "redis://127.0.0.1:9", "--ingress", "haproxy")
+    assert r.returncode == 2 and "--ingress haproxy applies to a Ray this command starts" in r.stderr, r.stderr

@@ -101,22 +101,25 @@ def _model(port: int, headers: dict | None = None) -> str:
     return httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers or {}, timeout=30).json()["data"][0]["id"]
 
 
-@pytest.mark.parametrize("signum, moment, target, keyed", [
-    (signal.SIGTERM, "starting", "main", False), (signal.SIGTERM, "serving", "main", True),
-    (signal.SIGINT, "serving", "group", False)],
-    ids=["sigterm-during-start-up", "sigterm-while-serving-with-api-keys", "sigint-to-the-group-while-serving"])
-def test_serve_stops_cleanly_on_a_signal(tmp_path, signum, moment, target, keyed):
+@pytest.mark.parametrize("signum, moment, target, keyed, ingress", [
+    (signal.SIGTERM, "starting", "main", False, "proxy"), (signal.SIGTERM, "serving", "main", True, "proxy"),
+    (signal.SIGINT, "serving", "group", False, "proxy"), (signal.SIGTERM, "serving", "group", False, "haproxy")],
+    ids=["sigterm-during-start-up", "sigterm-while-serving-with-api-keys", "sigint-to-the-group-while-serving",
+         "sigterm-to-the-group-while-serving-behind-haproxy"])
+def test_serve_stops_cleanly_on_a_signal(tmp_path, signum, moment, target, keyed, ingress):
     """Signalled alone (as `kill PID`, systemd's SIGTERM) or with its whole process group (a
     terminal's Ctrl-C): exit 0, nothing left, no wait for Serve's 30 s controller timeout, and
     streams in flight when the signal comes end rather than hang.
 
     The keyed case starts it as a user of `--api-keys FILE` does: the start-up demo uses a
-    configured key, keyed requests are served (the streams in flight carry one), others get 401."""
+    configured key, keyed requests are served (the streams in flight carry one), others get 401.
+    The HAProxy case (`--ingress haproxy`, gateway/ingress.py) serves the streams through HAProxy
+    and the gateways' own HTTP servers, and HAProxy goes with the rest."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "sim", "--replicas", "2", "--num-blocks", "256",
-           "--port", str(port), "--metrics-port", str(free_port())]
+           "--port", str(port), "--metrics-port", str(free_port()), "--ingress", ingress]
     headers = None
     if keyed:
         keys = tmp_path / "keys.json"
@@ -144,6 +147,9 @@ def test_serve_stops_cleanly_on_a_signal(tmp_path, signum, moment, target, keyed
         _descendants(proc.pid, seen)
         assert any("redis-server" in n for n in _names(seen)), _names(seen)
         assert any("raylet" in n for n in _names(seen)), _names(seen)
+        if moment == "serving":  # the front that takes HTTP is the one asked for
+            assert any("haproxy" in n for n in _names(seen)) == (ingress == "haproxy"), _names(seen)
+            assert f"port {port} ({ingress})" in log.read_text(errors="replace")
         if keyed:
             assert "demo answer" in log.read_text(errors="replace")
             assert _model(port, headers)

@@ -34,7 +34,7 @@ import httpx
 
 from gateway.config import AppConfig
 from gateway.stack import LocalStack
-from loadtest.bench.stack_options import add_config_option, config_overrides
+from loadtest.bench.stack_options import add_config_option, add_ingress_option, config_overrides
 from loadtest.summary import percentile
 
 RAY_WORKER_NICENESS = 15  # Ray starts its workers (the replicas, the gateway, the proxy) at this niceness
@@ -256,6 +256,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the flood client's niceness (default: Ray's workers', so the load generator never outranks "
                         "the servers it loads on a shared machine; the quiet client, the instrument, runs at 0)")
     add_config_option(p, "flow_prefill_tokens=512")
+    add_ingress_option(p)
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     return p.parse_args(argv)
 
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 default_max_tokens=64, **overrides)
     if args.engine == "sim":
         base.setdefault("num_blocks", 4096)
-    stack = LocalStack(AppConfig(flow_control=args.modes[0] == "on", **base), port=args.port)
+    stack = LocalStack(AppConfig(flow_control=args.modes[0] == "on", **base), port=args.port, ingress=args.ingress)
     rows: list[Row] = []
     try:
         stack.start()

@@ -28,7 +28,7 @@ import httpx
 from gateway.config import AppConfig
 from gateway.stack import LocalStack
 from loadtest.bench.noisy_neighbour import completion_body, stream_completion
-from loadtest.bench.stack_options import add_config_option, config_overrides
+from loadtest.bench.stack_options import add_config_option, add_ingress_option, config_overrides
 from loadtest.summary import percentile
 
 
@@ -144,6 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8125)
     add_config_option(p, "max_queued_requests=128")
+    add_ingress_option(p)
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     return p.parse_args(argv)
 
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                   **overrides)
     if args.engine == "sim":
         config.setdefault("num_blocks", 4096)
-    stack = LocalStack(AppConfig(**config), port=args.port)
+    stack = LocalStack(AppConfig(**config), port=args.port, ingress=args.ingress)
     try:
         stack.start()
         model = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]["id"]

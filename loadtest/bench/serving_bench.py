@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import psutil
 
 from gateway.config import AppConfig
 from gateway.stack import APP_NAME, LocalStack
-from loadtest.bench.stack_options import add_config_option, config_overrides
+from loadtest.bench.stack_options import add_config_option, add_ingress_option, config_overrides
 from loadtest.summary import percentile
 
 # every modelled cost near zero: the engine is never the bottleneck (router/costs/service.py)
@@ -30,6 +32,7 @@ NEAR_ZERO_SERVICE = {"decode_step_s": 0.001, "decode_s_per_seq": 0.0, "prefill_o
 
 @dataclass
 class Level:
+    ingress: str
     streams: int
     tokens_per_s: float
     events_per_request: float
@@ -42,12 +45,17 @@ class Level:
 
 
 def _processes(deployment: str | None) -> list[psutil.Process]:
-    """This machine's processes of one Serve deployment of our app (None: Serve's HTTP proxies)."""
-    title = "ray::ProxyActor" if deployment is None else f"ray::ServeReplica:{APP_NAME}:{deployment}"
+    """This stack's processes of one Serve deployment of our app (None: the HTTP front, Serve's
+    proxy actor and, with `--ingress haproxy`, HAProxy), among this process's descendants: the
+    local Ray node is ours, and another stack on the machine is not counted."""
+    titles = ("ray::ProxyActor", "haproxy") if deployment is None else (f"ray::ServeReplica:{APP_NAME}:{deployment}",)
     out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if cmd and cmd[0].startswith(title):
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
+        if cmd and (cmd[0].startswith(titles) or os.path.basename(cmd[0]) in titles):
             out.append(proc)
     return out
 
@@ -78,15 +86,15 @@ def measure(stack: LocalStack, model: str, streams: int, requests: int, max_toke
     events = sum(r["events"] for r in ok)
     ttfts = [r["ttft_s"] * 1000 for r in ok]
     per_1k = 1000 / tokens if tokens else float("nan")
-    return Level(streams, tokens / run["wall_s"], events / max(len(ok), 1), tokens / max(events, 1),
+    return Level(stack.ingress, streams, tokens / run["wall_s"], events / max(len(ok), 1), tokens / max(events, 1),
                  percentile(ttfts, 50) or 0.0, percentile(ttfts, 99) or 0.0,
                  (g1 - g0) * per_1k, (r1 - r0) * per_1k, len(run["results"]) - len(ok))
 
 
 def format_table(levels: list[Level]) -> str:
-    head = (f"{'streams':>7} {'out tok/s':>10} {'events/req':>10} {'tok/event':>9} {'TTFT p50':>9} "
+    head = (f"{'ingress':>7} {'streams':>7} {'out tok/s':>10} {'events/req':>10} {'tok/event':>9} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} {'gw CPU s/1k':>11} {'rep CPU s/1k':>12} {'failed':>6}")
-    rows = [f"{lv.streams:>7} {lv.tokens_per_s:>10.0f} {lv.events_per_request:>10.1f} {lv.tokens_per_event:>9.1f} "
+    rows = [f"{lv.ingress:>7} {lv.streams:>7} {lv.tokens_per_s:>10.0f} {lv.events_per_request:>10.1f} {lv.tokens_per_event:>9.1f} "
             f"{lv.ttft_p50_ms:>7.1f}ms {lv.ttft_p99_ms:>7.1f}ms {lv.gateway_cpu_s_per_1k:>11.3f} "
             f"{lv.replica_cpu_s_per_1k:>12.3f} {lv.failed:>6}" for lv in levels]
     return "\n".join([head, *rows])
@@ -100,6 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, nargs="+", default=[16, 64, 128], help="concurrent streams, one level each")
     p.add_argument("--requests", type=int, default=2, help="completions per stream, one after another")
     p.add_argument("--max-tokens", type=int, default=300, help="output tokens per completion (ignore_eos)")
+    add_ingress_option(p, several=True)
     p.add_argument("--port", type=int, default=8123)
     add_config_option(p, "stream_interval_ms=0")
     p.add_argument("--json", metavar="FILE", help="also write the levels as JSON")
@@ -108,28 +117,60 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if len(args.ingress) > 1:  # Ray reads the ingress switches once per process: one process each
+        levels = [lv for ingress in args.ingress for lv in _in_own_process(argv or sys.argv[1:], ingress)]
+        print(format_table(levels), flush=True)
+    else:
+        levels = run(args, args.ingress[0])
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([lv.__dict__ for lv in levels], fh, indent=1)
+    return 0
+
+
+def child_argv(argv: list[str], ingress: str, json_path: str) -> list[str]:
+    """The arguments of this benchmark's run with one ingress: argv less its --ingress and
+    --json values, then the one ingress and the child's JSON file."""
+    keep, skip = [], False
+    for arg in argv:
+        if arg in ("--ingress", "--json"):
+            skip = True
+        elif not (skip and not arg.startswith("--")):
+            skip = False
+            keep.append(arg)
+    return [*keep, "--ingress", ingress, "--json", json_path]
+
+
+def _in_own_process(argv: list[str], ingress: str) -> list[Level]:
+    """This benchmark with one ingress, as a child process; its levels."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "levels.json")
+        subprocess.run([sys.executable, "-m", "loadtest.bench.serving_bench", *child_argv(argv, ingress, out)],
+                       check=True)
+        with open(out) as fh:
+            return [Level(**row) for row in json.load(fh)]
+
+
+def run(args: argparse.Namespace, ingress: str) -> list[Level]:
     overrides = config_overrides(args)
     peak = max(args.streams)
     config = AppConfig(engine="sim", replicas=args.replicas, gateways=args.gateways, sim_service=dict(NEAR_ZERO_SERVICE),
                        max_num_seqs=peak, max_ongoing_requests=peak, max_queued_requests=peak, max_model_len=8192,
                        **overrides)
-    stack = LocalStack(config, port=args.port)
+    stack = LocalStack(config, port=args.port, ingress=ingress)
+    levels: list[Level] = []
     try:
         stack.start()
         import httpx
 
         model = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]["id"]
         measure(stack, model, min(args.streams), 1, 16)  # warm-up: connections, first-call paths
-        levels = []
         for streams in args.streams:
             levels.append(measure(stack, model, streams, args.requests, args.max_tokens))
             print(format_table(levels[-1:]).splitlines()[-1] if levels[:-1] else format_table(levels), flush=True)
     finally:
         stack.stop()
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump([lv.__dict__ for lv in levels], fh, indent=1)
-    return 0
+    return levels
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""`--config KEY=JSON`: the one option every live benchmark takes to set an AppConfig field of the
-stack it starts (serving, noisy-neighbour, overload), parsed one way for all of them."""
+"""The options every live benchmark (serving, noisy-neighbour, overload) takes for the stack it
+starts, parsed one way for all of them: `--config KEY=JSON` sets an AppConfig field, `--ingress`
+the HTTP front (gateway/ingress.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from typing import Any
+
+from gateway.ingress import DEFAULT_INGRESS, INGRESSES
 
 
 def _item(text: str) -> tuple[str, Any]:
@@ -26,3 +29,13 @@ def add_config_option(p: argparse.ArgumentParser, example: str) -> None:
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return dict(args.config)
+
+
+def add_ingress_option(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """`--ingress proxy|haproxy`; with `several`, a list of them, each measured on its own stack."""
+    if several:
+        p.add_argument("--ingress", nargs="+", choices=INGRESSES, default=[DEFAULT_INGRESS],
+                       help="the HTTP front(s) to measure (gateway/ingress.py), each on a fresh stack in a process of its own")
+    else:
+        p.add_argument("--ingress", choices=INGRESSES, default=DEFAULT_INGRESS,
+                       help="the HTTP front of the stack (gateway/ingress.py)")
