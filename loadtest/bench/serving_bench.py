@@ -5,7 +5,8 @@ steps, no per-sequence or prefill cost), one gateway, and streaming clients in a
 own that parse every SSE event as JSON. What is left to measure is the path from the engine's
 step to the client: per stream count, output tokens/s (counted from `usage`), SSE events per
 request, TTFT p50/p99 and the CPU seconds per 1,000 output tokens of the gateway processes
-(Serve's HTTP proxy and the Gateway replicas) and of the replica processes.
+(the HTTP front and the Gateway replicas) and of the replica processes. `--ingress proxy haproxy`
+measures each HTTP front (gateway/ingress.py) on a stack of its own, one after the other.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ class Level:
 
 def _processes(deployment: str | None) -> list[psutil.Process]:
     """This stack's processes of one Serve deployment of our app (None: the HTTP front, Serve's
-    proxy actor and, with `--ingress haproxy`, HAProxy), among this process's descendants: the
+    proxy actor and, with `--ingress haproxy`, HAProxy and its manager actor), among this process's descendants: the
     local Ray node is ours, and another stack on the machine is not counted."""
-    titles = ("ray::ProxyActor", "haproxy") if deployment is None else (f"ray::ServeReplica:{APP_NAME}:{deployment}",)
+    titles = ("ray::ProxyActor", "ray::HAProxyManager", "haproxy") if deployment is None else (f"ray::ServeReplica:{APP_NAME}:{deployment}",)
     out = []
     for proc in psutil.Process().children(recursive=True):
         try:
