@@ -7,6 +7,10 @@ Systems (rows):
   ray-llm-prefix   Ray Serve LLM's OpenAI app (`build_openai_app`, `LLMServer` on vLLM's CPU
                    engine) with Ray's PrefixCacheAffinityRouter (loadtest/ray_llm_app.py)
   ray-llm-pow2     the same with Ray Serve's default router (power of two choices)
+  ray-llm-kv       the same with Ray's KVAwareRouter (alpha): NVIDIA Dynamo's selection service
+                   scores the replicas on their vLLM KV events, on Ray's direct-streaming path
+                   (HAProxy to each replica's own vLLM server); its row counts the router's
+                   "Selected worker" log lines (`kv_scored`), and says so when there are none
   prefixgate-ours  `prefixgate serve --engine model` (our own engine, block size 16, the same pool)
 
 Clients (tables):
@@ -43,7 +47,8 @@ from router.policy_table import DEFAULT_POLICY
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "loadtest" / "results"
-SYSTEMS = ("prefixgate-vllm", "ray-llm-prefix", "ray-llm-pow2", "prefixgate-ours")
+SYSTEMS = ("prefixgate-vllm", "ray-llm-prefix", "ray-llm-pow2", "ray-llm-kv", "prefixgate-ours")
+RAY_ROUTERS = {"ray-llm-prefix": "prefix", "ray-llm-pow2": "pow2", "ray-llm-kv": "kv"}  # ray_llm_app.py --router
 DEFAULT_SYSTEMS = SYSTEMS
 CLIENTS = ("bench", "chat")
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -51,6 +56,13 @@ HITS = "ray_vllm_prefix_cache_hits_total"
 QUERIES = "ray_vllm_prefix_cache_queries_total"
 # One thread per replica, unpinned; vLLM's CPU backend refuses to start here without a K/V space.
 ENGINE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# ray-llm-kv: Ray 2.60 runs KVAwareRouter only on its direct-streaming path; these must be set
+# before Ray is imported (ray_llm_app.py --router kv sets them too), so they go in the env.
+KV_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
+          "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
+# What Dynamo's selection service logs (in the LLMRouter replica's worker log) for each request
+# it scored; none means the router replica never served and HAProxy balanced on its own.
+KV_SCORED_MARK = "Selected worker"
 
 # vLLM's CLI checks importlib.metadata.version("vllm"); this build's distribution is "vllm-cpu".
 # The "+cpu" matters: vLLM's platform detection looks for "cpu" in that version string, and
@@ -222,6 +234,49 @@ def parse_chat_summary(summary: dict) -> dict:
     }
 
 
+def count_kv_scored(text: str) -> int:
+    """Lines of one log that record a KV-scored selection."""
+    return sum(1 for line in text.splitlines() if KV_SCORED_MARK in line)
+
+
+def parse_session_dir(log_text: str) -> str | None:
+    """The Ray session directory from ray_llm_app.py's ready line (`... session DIR`)."""
+    for line in log_text.splitlines():
+        if line.startswith("[ray-llm] ready") and " session " in line:
+            path = line.rsplit(" session ", 1)[1].strip()
+            return path if path and path != "-" else None
+    return None
+
+
+def kv_scored_in_session(session_dir: str | Path | None) -> int | None:
+    """"Selected worker" lines in a Ray session's worker logs (logs/worker-*.out and .err: the
+    processes' own output, where the LLMRouter replica's Dynamo selection service writes);
+    None when there is no such directory."""
+    if not session_dir:
+        return None
+    logs = Path(session_dir) / "logs"
+    if not logs.is_dir():
+        return None
+    total = 0
+    for path in sorted(logs.glob("worker-*")):
+        if path.suffix in (".out", ".err") and path.is_file():
+            total += count_kv_scored(path.read_text(errors="replace"))
+    return total
+
+
+def kv_scored_note(kv_scored: int | None, requests: int | None) -> str | None:
+    """The row's note for ray-llm-kv: None when the router scored; otherwise says plainly that
+    the numbers are not a KV-aware result."""
+    if kv_scored is None:
+        return "KV router not checked: no Ray session logs found"
+    if kv_scored == 0:
+        return ("KV router never scored (0 'Selected worker' lines): the router replica did not serve, "
+                "HAProxy balanced by least connections; NOT a KV-aware result")
+    if requests and kv_scored < requests:
+        return f"KV router scored only {kv_scored} of {requests} requests"
+    return None
+
+
 TABLE = (
     ("system", "system", "{}"),
     ("requests", "requests", "{}"),
@@ -233,6 +288,7 @@ TABLE = (
     ("output_tokens_per_s", "out tok/s", "{:.1f}"),
     ("errors", "errors", "{}"),
     ("startup_s", "start-up", "{:.0f}s"),
+    ("kv_scored", "KV scored", "{}"),
 )
 
 
@@ -336,16 +392,40 @@ def system_for(name: str, s: Settings, args: argparse.Namespace) -> System:
                 "--max-model-len", str(s.max_model_len), "--model", s.model, "--model-name", s.model_name,
                 "--port", str(port), "--metrics-port", str(mport)]
         return System(name, argv, port, mport, "[prefixgate] serving until Ctrl-C")
-    router = {"ray-llm-prefix": "prefix", "ray-llm-pow2": "pow2"}[name]
+    router = RAY_ROUTERS[name]
     argv = [args.vllm_python, str(REPO / "loadtest" / "ray_llm_app.py"), "--router", router,
             "--replicas", str(s.replicas), "--block-size", str(s.vllm_block_size),
             "--num-blocks", str(s.num_blocks(s.vllm_block_size)), "--max-model-len", str(s.max_model_len),
             "--model", s.model, "--model-name", s.model_name, "--port", str(port), "--metrics-port", str(mport)]
-    return System(name, argv, port, mport, "[ray-llm] ready")
+    return System(name, argv, port, mport, "[ray-llm] ready", env=dict(KV_ENV) if router == "kv" else {})
+
+
+def _group_ids(pid: int) -> set[int]:
+    """A process's process group and session ids (empty once it is gone)."""
+    try:
+        return {os.getpgid(pid), os.getsid(pid)}
+    except OSError:
+        return set()
+
+
+def group_members(groups: set[int], exclude: set[int]) -> list:
+    """Every live process whose process group or session is one of groups (ours excluded)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        if p.pid in exclude:
+            continue
+        if _group_ids(p.pid) & groups:
+            out.append(p)
+    return out
 
 
 class Running:
-    """A started system: its process (in a session of its own), its log."""
+    """A started system: its process (in a session of its own), its log, and every process
+    group and session its processes were seen in (Ray's workers and what they start, HAProxy
+    and vLLM's engine cores among them, may sit in groups of their own and outlive their
+    parents: the stop takes down every member of those groups too)."""
 
     def __init__(self, system: System, log_path: Path) -> None:
         self.system = system
@@ -356,6 +436,19 @@ class Running:
         self.proc = subprocess.Popen(system.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                      start_new_session=True)
         self.startup_s: float | None = None
+        self.groups: set[int] = {self.proc.pid}  # its session (start_new_session: sid == pid)
+        self._own = _group_ids(os.getpid()) | {os.getpid()}  # never ours
+
+    def note_groups(self) -> None:
+        """Record the process groups and sessions of the system's processes as they are now."""
+        import psutil
+
+        try:
+            procs = [self.proc.pid] + [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for pid in procs:
+            self.groups |= _group_ids(pid) - self._own
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -379,6 +472,7 @@ class Running:
 
         t0 = time.monotonic()
         info: dict = {"forced": []}
+        self.note_groups()
         try:
             descendants = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
@@ -401,7 +495,18 @@ class Running:
                 except psutil.NoSuchProcess:
                     pass
             _, alive = psutil.wait_procs(alive, timeout=10)
-        info["left_running"] = [p.pid for p in alive]
+        # what left the tree (re-parented to init) but stayed in one of the system's groups
+        strays = group_members(self.groups, self._own)
+        info["group_strays"] = [p.pid for p in strays]
+        for sig in ("terminate", "kill"):
+            for p in strays:
+                try:
+                    getattr(p, sig)()
+                    info["forced"].append(p.pid)
+                except psutil.NoSuchProcess:
+                    pass
+            _, strays = psutil.wait_procs(strays, timeout=10)
+        info["left_running"] = sorted({p.pid for p in alive} | {p.pid for p in group_members(self.groups, self._own)})
         deadline = time.monotonic() + 60
         ports = (self.system.port, self.system.metrics_port)
         while time.monotonic() < deadline and not all(port_free(p) for p in ports):
@@ -487,10 +592,13 @@ def run_chat(s: Settings, system: System, out: Path, args: argparse.Namespace) -
     return row
 
 
-def measure(client: str, s: Settings, system: System, out: Path, args: argparse.Namespace) -> dict:
-    """One client run between two settled scrapes of the engines' counters."""
+def measure(client: str, s: Settings, system: System, out: Path, args: argparse.Namespace,
+            kv_session: str | None = None, check_kv: bool = False) -> dict:
+    """One client run between two settled scrapes of the engines' counters; with check_kv
+    (ray-llm-kv), also the KV router's "Selected worker" lines logged in between."""
     out.mkdir(parents=True, exist_ok=True)
     before = settled(system.metrics_url, args.metrics_quiet_s, args.metrics_timeout_s)
+    kv_before = kv_scored_in_session(kv_session) if check_kv else None
     (out / "metrics_before.json").write_text(json.dumps(before))
     fn = run_bench if client == "bench" else run_chat
     try:
@@ -501,6 +609,13 @@ def measure(client: str, s: Settings, system: System, out: Path, args: argparse.
     after = settled(system.metrics_url, args.metrics_quiet_s, args.metrics_timeout_s, more_than=before)
     (out / "metrics_after.json").write_text(json.dumps(after))
     row.update(hit_rate_delta(before, after))
+    if check_kv:
+        kv_after = kv_scored_in_session(kv_session)
+        row["kv_scored"] = None if kv_before is None or kv_after is None else kv_after - kv_before
+        note = kv_scored_note(row["kv_scored"], row.get("requests"))
+        if note:
+            row["note"] = f"{row['note']}; {note}" if row.get("note") else note
+            print(f"[headtohead] {system.name} {client}: {note}", file=sys.stderr, flush=True)
     return row
 
 
@@ -521,23 +636,32 @@ def run_system(name: str, s: Settings, clients: list[str], out: Path, args: argp
             print(f"[headtohead] {name}: did not start: {e}", file=sys.stderr, flush=True)
             return result
         result["startup_s"] = running.startup_s
+        running.note_groups()
+        check_kv = RAY_ROUTERS.get(name) == "kv"
+        kv_session = parse_session_dir(running.log_path.read_text(errors="replace")) if check_kv else None
+        if check_kv:
+            result["ray_session_dir"] = kv_session
         print(f"[headtohead] {name}: ready in {running.startup_s:.0f}s at {system.url}", flush=True)
         for client in clients:
             t0 = time.monotonic()
-            row = measure(client, s, system, out / client, args)
+            row = measure(client, s, system, out / client, args, kv_session, check_kv)
             result["clients"][client] = row
+            running.note_groups()
             print(f"[headtohead] {name} {client}: {json.dumps(_brief(row))} ({time.monotonic() - t0:.0f}s)", flush=True)
     finally:
         result["stop"] = running.stop()
+        if result.get("ray_session_dir"):  # warm-up included
+            result["kv_scored_total"] = kv_scored_in_session(result["ray_session_dir"])
         print(f"[headtohead] {name}: stopped in {result['stop']['stop_s']:.0f}s (exit {result['stop']['exit_code']}"
               f"{', forced ' + str(result['stop']['forced']) if result['stop']['forced'] else ''}"
-              f"{', ports busy ' + str(result['stop']['ports_busy']) if result['stop']['ports_busy'] else ''})",
+              f"{', ports busy ' + str(result['stop']['ports_busy']) if result['stop']['ports_busy'] else ''}"
+              f"{', LEFT RUNNING ' + str(result['stop']['left_running']) if result['stop']['left_running'] else ''})",
               flush=True)
     return result
 
 
 def _brief(row: dict) -> dict:
-    keys = ("requests", "errors", "duration_s", "hit_rate", "ttft_p50_s", "output_tokens_per_s", "note")
+    keys = ("requests", "errors", "duration_s", "hit_rate", "ttft_p50_s", "output_tokens_per_s", "kv_scored", "note")
     return {k: (round(row[k], 4) if isinstance(row.get(k), float) else row.get(k)) for k in keys if k in row}
 
 

