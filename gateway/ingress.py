@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import sys
 
+from gateway.local_redis import free_port
+
 INGRESSES = ("proxy", "haproxy")
 DEFAULT_INGRESS = "proxy"
 _SERVE_CONSTANTS = "ray.serve._private.constants"
@@ -31,10 +33,12 @@ _SERVE_CONSTANTS = "ray.serve._private.constants"
 DEREGISTRATION_S = 2.0
 
 
-def ray_env(ingress: str) -> dict[str, str]:
+def ray_env(ingress: str, stats_port: int = 0, metrics_port: int = 0) -> dict[str, str]:
     """The environment Ray's processes need for `ingress`. HAProxy's manager actor
     reports ready only once HAProxy runs, which took over 15 s on 2 busy cores: Serve's 5 s
-    readiness timeout (three misses and the proxy is killed) is raised to a minute."""
+    readiness timeout (three misses and the proxy is killed) is raised to a minute. HAProxy's
+    stats page and Prometheus exporter take fixed ports by default (8404, 9101), which a second
+    stack on the machine would also take: `apply` gives them free ones."""
     if ingress not in INGRESSES:
         raise ValueError(f"ingress must be one of {', '.join(INGRESSES)}, not {ingress!r}")
     on = ingress == "haproxy"
@@ -42,13 +46,17 @@ def ray_env(ingress: str) -> dict[str, str]:
     if on:
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(DEREGISTRATION_S)
         env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "60"
+        if stats_port:
+            env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(stats_port)
+        if metrics_port:
+            env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(metrics_port)
     return env
 
 
 def apply(ingress: str) -> None:
     """Sets `ingress`'s environment for the Ray this process is about to start. Raises when
     Serve was already imported here with the other setting: its switches are read once."""
-    env = ray_env(ingress)
+    env = ray_env(ingress, free_port(), free_port()) if ingress == "haproxy" else ray_env(ingress)
     constants = sys.modules.get(_SERVE_CONSTANTS)
     if constants is not None and bool(constants.RAY_SERVE_ENABLE_HA_PROXY) != (ingress == "haproxy"):
         raise RuntimeError(f"ingress {ingress!r} must be chosen before Ray Serve is imported in this process")

@@ -23,11 +23,14 @@ def test_each_front_sets_rays_switches_both_ways():
 
 
 def test_apply_sets_the_environment_and_refuses_after_serve_was_imported(monkeypatch):
-    for key in ingress.ray_env("haproxy"):
+    for key in ingress.ray_env("haproxy", 1, 2):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.delitem(sys.modules, ingress._SERVE_CONSTANTS, raising=False)
     ingress.apply("haproxy")
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    # HAProxy's stats and Prometheus listeners on ports of their own, not Ray's fixed 8404 and 9101
+    ports = {int(os.environ["RAY_SERVE_HAPROXY_STATS_PORT"]), int(os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"])}
+    assert len(ports) == 2 and not ports & {8404, 9101}
     # Serve already imported with HAProxy off: its switches are read once, so this is an error
     monkeypatch.setitem(sys.modules, ingress._SERVE_CONSTANTS,
                         types.SimpleNamespace(RAY_SERVE_ENABLE_HA_PROXY=False))
