@@ -42,6 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gateway.ingress import DEFAULT_INGRESS, INGRESSES
 from gateway.local_redis import free_port
 from router.policy_table import DEFAULT_POLICY
 
@@ -390,7 +391,7 @@ def system_for(name: str, s: Settings, args: argparse.Namespace) -> System:
         argv = [args.prefixgate, "serve", "--engine", "vllm" if vllm else "model", "--replicas", str(s.replicas),
                 "--policy", DEFAULT_POLICY, "--block-size", str(block), "--num-blocks", str(s.num_blocks(block)),
                 "--max-model-len", str(s.max_model_len), "--model", s.model, "--model-name", s.model_name,
-                "--port", str(port), "--metrics-port", str(mport)]
+                "--port", str(port), "--metrics-port", str(mport), "--ingress", args.ingress]
         return System(name, argv, port, mport, "[prefixgate] serving until Ctrl-C")
     router = RAY_ROUTERS[name]
     argv = [args.vllm_python, str(REPO / "loadtest" / "ray_llm_app.py"), "--router", router,
@@ -690,6 +691,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--model", default=None, help="model directory (default: the bundled converted SmolLM2-135M-Instruct)")
     p.add_argument("--model-name", default=MODEL_NAME, help="served model name on every row")
+    p.add_argument("--ingress", choices=INGRESSES, default=DEFAULT_INGRESS,
+                   help="the prefixgate rows' HTTP front (gateway/ingress.py; ray-llm-kv runs behind HAProxy)")
     g = p.add_argument_group("bench (vllm bench serve, prefix_repetition)")
     g.add_argument("--prefix-len", type=int, default=512)
     g.add_argument("--suffix-len", type=int, default=64)

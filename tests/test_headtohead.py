@@ -144,7 +144,7 @@ def _args(**kw) -> argparse.Namespace:
     base = dict(quick=False, prefix_len=512, suffix_len=64, num_prefixes=None, output_len=16, num_prompts=None,
                 max_concurrency=8, seed=0, replicas=2, pool_tokens=6144, max_model_len=2048,
                 model_name=h.MODEL_NAME, model="/models/smol", chat_set=[], prefixgate="/venv/bin/prefixgate",
-                vllm_python="/venv-vllm/bin/python")
+                vllm_python="/venv-vllm/bin/python", ingress="proxy")
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -170,7 +170,9 @@ def test_system_command_lines(monkeypatch):
     assert ours.argv[:2] == ["/venv/bin/prefixgate", "serve"]
     joined = " ".join(ours.argv)
     assert "--engine model" in joined and "--block-size 16 --num-blocks 384" in joined and "--policy affinity" in joined
-    assert f"--port {ours.port} --metrics-port {ours.metrics_port}" in joined
+    assert f"--port {ours.port} --metrics-port {ours.metrics_port}" in joined and "--ingress proxy" in joined
+    behind = " ".join(h.system_for("prefixgate-vllm", s, _args(ingress="haproxy")).argv)  # `--ingress haproxy`
+    assert behind.endswith("--ingress haproxy")
     vllm = " ".join(h.system_for("prefixgate-vllm", s, a).argv)
     assert "--engine vllm" in vllm and "--replicas 2" in vllm and "--block-size 32 --num-blocks 192" in vllm
     ray = h.system_for("ray-llm-pow2", s, a)
@@ -272,7 +274,10 @@ def test_cli_accepts_the_kv_system(capsys):
     parser = argparse.ArgumentParser()
     h.add_parser(parser.add_subparsers())
     args = parser.parse_args(["headtohead", "--systems", "ray-llm-kv", "--clients", "bench", "--quick"])
-    assert args.systems == "ray-llm-kv" and args.fn is h.cmd_headtohead
+    assert args.systems == "ray-llm-kv" and args.fn is h.cmd_headtohead and args.ingress == "proxy"
+    typed = parser.parse_args(["headtohead", "--systems", "prefixgate-vllm", "--ingress", "haproxy"])
+    s = h.settings_from_args(typed)
+    assert h.system_for("prefixgate-vllm", s, typed).argv[-2:] == ["--ingress", "haproxy"]
     systems = [x.strip() for x in args.systems.split(",")]
     assert all(x in h.SYSTEMS for x in systems)
 
