@@ -32,10 +32,11 @@ def test_first_probe_after_a_redis_restart_reconnects():
         loop = asyncio.new_event_loop()
         try:
             assert loop.run_until_complete(probe()) is None
-            pooled = gw._redis
             server.restart()  # same port: the pooled connection is now stale
-            assert loop.run_until_complete(probe()) is None  # the very first probe after it
-            assert gw._redis is not pooled
+            # the very first probe after it answers: redis-py's own retry reconnects the pooled
+            # client, or check_redis replaces it (which of the two depends on whether the restart's
+            # close reached the socket before the ping: either is a reconnect, not a stale answer)
+            assert loop.run_until_complete(probe()) is None
             server.stop()
             problem = loop.run_until_complete(probe())
             assert problem is not None and f"127.0.0.1:{server.port}" in problem and "unreachable" in problem

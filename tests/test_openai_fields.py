@@ -222,7 +222,10 @@ def test_prompt_cache_key_routes_like_a_session(stack):
             messages = messages + [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
                                    {"role": "user", "content": follow_up}]
     assert len(set(replicas)) == 1, (replicas, routes)
-    assert routes[1:] == ["session", "session"], routes
+    # the later turns go by the key as a session: through the index ("session"), or, when the
+    # index lookup misses its deadline on a busy machine, through the router's own memory of the
+    # session's replica ("stale", router/decider.py `degraded`); never by prefix or load
+    assert all(route in ("session", "stale") for route in routes[1:]), routes
 
 
 def test_session_key_precedence():
