@@ -47,8 +47,11 @@ def _vllm_python() -> str:
 def vllm_app(stack):
     """Two vLLM replicas with their own gateway at /vllm, on the session's Ray and Redis."""
     _vllm_python()
+    # redis_timeout_s: vLLM's engines load the cores, and a lookup that misses the default 50 ms
+    # deadline routes from the router's own memory (`stale`), not from the index these tests read
     config = AppConfig(engine="vllm", replicas=2, num_blocks=NUM_BLOCKS, max_model_len=2048, default_max_tokens=32,
-                       redis_url=stack.config.redis_url, key_prefix=f"vllm-{uuid.uuid4().hex[:6]}", policy="affinity")
+                       redis_url=stack.config.redis_url, key_prefix=f"vllm-{uuid.uuid4().hex[:6]}", policy="affinity",
+                       redis_timeout_s=1.0)
     with side_app(stack, "vllm", config) as url:
         yield url, config
 
