@@ -56,3 +56,22 @@ def test_gpu_check_refuses_without_cuda():
     proc = subprocess.run([sys.executable, "-m", "loadtest.device.gpu_check", "--device", "cuda"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--smoke" in proc.stderr
+
+
+def test_stream_check_smoke_measures_the_replica_path(tmp_path):
+    """loadtest/device/stream_check.py in its CPU form: every path delivers every token, and
+    the batched replica path sends fewer events than tokens only because it batches."""
+    out = tmp_path / "stream_check.json"
+    proc = subprocess.run([sys.executable, "-m", "loadtest.device.stream_check", "--smoke", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert [(r["streams"], r["path"]) for r in runs] == [
+        (n, p) for n in (2, 4) for p in ("engine", "replica, interval 50 ms", "replica, interval 0 ms")]
+    for r in runs:
+        assert r["output_tokens"] == r["streams"] * report["max_tokens"]
+        assert 1 <= r["events_per_request"] <= report["max_tokens"]
+        assert (r["ratio_to_engine"] is None) == (r["path"] == "engine")
+    engine = [r for r in runs if r["path"] == "engine"]
+    assert all(r["events_per_request"] == report["max_tokens"] for r in engine)  # one output per token
