@@ -132,7 +132,8 @@ def replica_settings(config: AppConfig, model_id: str) -> ReplicaSettings:
                            key_prefix=config.key_prefix, index_buckets=config.index_buckets,
                            publish_depth=config.publish_depth, torch_threads=config.torch_threads,
                            sim=sim_settings(config, model_id), kv_pull_timeout_s=config.kv_pull_timeout_s,
-                           vllm=vllm_settings(config), stream_interval_s=config.stream_interval_ms / 1000)
+                           vllm=vllm_settings(config), stream_interval_s=config.stream_interval_ms / 1000,
+                           audit_dir=config.audit_dir)
 
 
 def sim_settings(config: AppConfig, model_id: str) -> dict | None:

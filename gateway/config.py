@@ -118,6 +118,9 @@ class AppConfig:
                                "replicas hold it (false: as the base model's, as routers that do not know adapters "
                                "do; a baseline for `prefixgate bench lora-routing`)")
     seed: int | None = setting(_ROUTER.seed, help="seed of the policies' random draws (None: unseeded)")
+    audit_dir: str | None = setting(_ROUTER.audit_dir, help="write the live routing audit's records here: each router "
+                                    "its decisions, each replica its block events and outcomes (docs/routing-audit.md; "
+                                    "read them with `prefixgate loadtest audit DIR`)")
     # Redis and the index
     redis_url: str | None = setting("redis://127.0.0.1:6379/0", cli="none",
                                     help="the index's Redis (serve: --redis-url, else $REDIS_URL, else a local one it starts)")
@@ -309,7 +312,7 @@ class AppConfig:
             block_size=self.block_size, publish_depth=self.publish_depth, redis_url=self.redis_url,
             key_prefix=self.key_prefix, redis_timeout_s=self.redis_timeout_s, session_ttl_s=self.session_ttl_s,
             seed=self.seed, sampled_replicas=self.sampled_replicas, index_buckets=self.index_buckets,
-            load_refresh_s=self.load_refresh_s, lora_aware=self.lora_aware,
+            load_refresh_s=self.load_refresh_s, lora_aware=self.lora_aware, audit_dir=self.audit_dir,
         )
 
     def to_dict(self) -> dict:

@@ -1,4 +1,4 @@
-"""`prefixgate loadtest run|compare|summarize|plot`: Locust runs and policy comparisons.
+"""`prefixgate loadtest run|compare|summarize|plot|trace|fleet|headtohead|audit`: Locust runs and policy comparisons.
 
 run        one headless Locust run against a running gateway: Locust CSVs, records.jsonl,
            summary.json
@@ -11,6 +11,8 @@ trace      open-loop Mooncake replay against a running gateway, beside the simul
 fleet      sim replicas x policies x replica counts, live and simulated side by side
 headtohead the same 2 vLLM-sized replicas under prefixgate and Ray Serve LLM, one system at a
            time, the same clients (vLLM's bench serve, Locust chats); one table per client
+audit      the live routing audit of a run recorded with `prefixgate serve --audit-dir DIR`: each
+           request's lost prompt tokens by cause (loadtest/live_audit.py, docs/routing-audit.md)
 
 Locust runs as a subprocess of this interpreter (`python -m locust`), so its gevent
 monkey-patching never touches the Ray driver that `compare` holds.
@@ -187,6 +189,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             key_prefix=f"loadtest-{run_id}-{policy}", num_blocks=num_blocks, kv_cache_mb=args.kv_cache_mb,
             max_model_len=args.max_model_len, default_max_tokens=spec.max_tokens, seed=spec.seed,
             replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus, device=args.device,
+            audit_dir=str(out / policy / "audit") if args.audit else None,
         )
 
     settings = {"policies": policies, "replicas": replicas, "num_blocks": num_blocks,
@@ -216,6 +219,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 (out / policy / "metrics.txt").write_text(httpx.get(f"{url}/metrics", timeout=10).text)
             except Exception as e:  # the table does not depend on it
                 print(f"[loadtest] /metrics not saved: {e!r}", file=sys.stderr)
+            if args.audit:
+                s["audit"] = _audit(out / policy, t_ready, time.time())
             rows.append(s)
             print(f"[loadtest] {policy}: {s['requests']} requests, hit {_pct(s['hit_rate'])}, "
                   f"{s['errors']} errors, {s['aborted']} cut off by -t, deploy {s['deploy_s']:.0f}s + run {s['wall_s']:.0f}s", flush=True)
@@ -229,6 +234,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     png = plot_runs(rows, out / "compare.png", title=_title(result))
     print(f"[loadtest] {out / 'compare.json'}, {png}; {time.time() - t_start:.0f}s in all")
     return 0 if rows and all(r["requests"] for r in rows) else 1
+
+
+def _audit(out: Path, start: float, end: float) -> dict | None:
+    """One policy's live routing audit over its Locust run (loadtest/live_audit.py)."""
+    from loadtest.live_audit import audit_dir, report
+
+    try:
+        result = audit_dir(out / "audit", window=(start, end))
+    except (ValueError, OSError) as e:
+        print(f"[loadtest] no audit: {e}", file=sys.stderr)
+        return None
+    text = report(result)
+    (out / "audit.txt").write_text(text + "\n")
+    print(f"[loadtest] {out.name}: {text}", flush=True)
+    return {**result.summary.to_dict(), "decisions": result.decisions, "unmatched": result.unmatched}
 
 
 def _pct(v: float | None) -> str:
@@ -305,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="Serve HTTP bind address")
     p.add_argument("--port", type=int, default=None, help="Serve HTTP port (default: a free one)")
     p.add_argument("--url", default=None, help="send load here instead of http://127.0.0.1:PORT")
+    p.add_argument("--audit", action="store_true", help="record each policy's live routing audit and print its lost "
+                   "prompt tokens by cause (loadtest/live_audit.py, docs/routing-audit.md)")
     _add_load_args(p)
     p.set_defaults(fn=cmd_compare)
 
@@ -315,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.headtohead import add_parser as add_headtohead
 
     add_headtohead(sub)  # prefixgate against Ray Serve LLM on the same replicas (loadtest/headtohead.py)
+    from loadtest.live_audit import add_parser as add_audit
+
+    add_audit(sub)  # the live routing audit of a run recorded with --audit-dir
 
     p = sub.add_parser("summarize", help="summary of one or more records.jsonl files")
     p.add_argument("records", nargs="+")

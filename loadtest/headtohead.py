@@ -373,6 +373,8 @@ class System:
     metrics_port: int
     ready_marker: str
     env: dict = field(default_factory=dict)
+    audit_dir: Path | None = None  # a prefixgate row's live routing audit (--audit)
+    block_size: int = 16
 
     @property
     def url(self) -> str:
@@ -383,7 +385,8 @@ class System:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
-def system_for(name: str, s: Settings, args: argparse.Namespace) -> System:
+def system_for(name: str, s: Settings, args: argparse.Namespace, audit_dir: Path | None = None) -> System:
+    """`audit_dir`: where a prefixgate row records the live routing audit (`--audit`)."""
     port, mport = free_port(), free_port()
     if name in ("prefixgate-vllm", "prefixgate-ours"):
         vllm = name == "prefixgate-vllm"
@@ -392,7 +395,9 @@ def system_for(name: str, s: Settings, args: argparse.Namespace) -> System:
                 "--policy", DEFAULT_POLICY, "--block-size", str(block), "--num-blocks", str(s.num_blocks(block)),
                 "--max-model-len", str(s.max_model_len), "--model", s.model, "--model-name", s.model_name,
                 "--port", str(port), "--metrics-port", str(mport), "--ingress", args.ingress]
-        return System(name, argv, port, mport, "[prefixgate] serving until Ctrl-C")
+        if audit_dir is not None:
+            argv += ["--audit-dir", str(audit_dir)]
+        return System(name, argv, port, mport, "[prefixgate] serving until Ctrl-C", audit_dir=audit_dir, block_size=block)
     router = RAY_ROUTERS[name]
     argv = [args.vllm_python, str(REPO / "loadtest" / "ray_llm_app.py"), "--router", router,
             "--replicas", str(s.replicas), "--block-size", str(s.vllm_block_size),
@@ -602,11 +607,14 @@ def measure(client: str, s: Settings, system: System, out: Path, args: argparse.
     kv_before = kv_scored_in_session(kv_session) if check_kv else None
     (out / "metrics_before.json").write_text(json.dumps(before))
     fn = run_bench if client == "bench" else run_chat
+    started = time.time()
     try:
         row = fn(s, system, out, args)
     except Exception as e:
         row = {"note": f"{client} failed: {e}"}
         print(f"[headtohead] {system.name} {client}: {e}", file=sys.stderr, flush=True)
+    if system.audit_dir is not None:
+        row["audit"] = audit_client(system, (started, time.time()), out)
     after = settled(system.metrics_url, args.metrics_quiet_s, args.metrics_timeout_s, more_than=before)
     (out / "metrics_after.json").write_text(json.dumps(after))
     row.update(hit_rate_delta(before, after))
@@ -620,9 +628,27 @@ def measure(client: str, s: Settings, system: System, out: Path, args: argparse.
     return row
 
 
+def audit_client(system: System, window: tuple[float, float], out: Path) -> dict | None:
+    """The live routing audit of one client's run (loadtest/live_audit.py), printed and written
+    to `out/audit.txt`; None (with the reason printed) where it cannot be made."""
+    from loadtest.live_audit import audit_dir, report
+
+    try:
+        result = audit_dir(system.audit_dir, system.block_size, window=window)
+    except (ValueError, OSError) as e:
+        print(f"[headtohead] {system.name}: no audit: {e}", file=sys.stderr, flush=True)
+        return None
+    text = report(result)
+    (out / "audit.txt").write_text(text + "\n")
+    print(f"[headtohead] {system.name} {out.name}: {text}", flush=True)
+    return {**result.summary.to_dict(), "decisions": result.decisions, "unmatched": result.unmatched,
+            "prompt_blocks": result.prompt_blocks}
+
+
 def run_system(name: str, s: Settings, clients: list[str], out: Path, args: argparse.Namespace) -> dict:
     """Start, warm, measure each client, stop. A system that does not start gets rows saying why."""
-    system = system_for(name, s, args)
+    audit = out / "audit" if args.audit and name.startswith("prefixgate") else None
+    system = system_for(name, s, args, audit)
     out.mkdir(parents=True, exist_ok=True)
     (out / "command.txt").write_text(" ".join(system.argv) + "\n")
     print(f"[headtohead] {name}: starting ({' '.join(system.argv[:4])} ...; log {out / 'server.log'})", flush=True)
@@ -693,6 +719,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model-name", default=MODEL_NAME, help="served model name on every row")
     p.add_argument("--ingress", choices=INGRESSES, default=DEFAULT_INGRESS,
                    help="the prefixgate rows' HTTP front (gateway/ingress.py; ray-llm-kv runs behind HAProxy)")
+    p.add_argument("--audit", action="store_true",
+                   help="record the prefixgate rows' live routing audit (--audit-dir) and print each client's "
+                        "lost prompt tokens by cause (loadtest/live_audit.py, docs/routing-audit.md)")
     g = p.add_argument_group("bench (vllm bench serve, prefix_repetition)")
     g.add_argument("--prefix-len", type=int, default=512)
     g.add_argument("--suffix-len", type=int, default=64)

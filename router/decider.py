@@ -126,6 +126,8 @@ class Routed:
     decision: Decision
     ranked: list[str]  # scored replicas, cheapest first (the decision's replica first)
     matched: dict[str, int] = field(default_factory=dict)
+    views: list[ReplicaView] = field(default_factory=list)  # what the policy scored
+    session_replica: str | None = None
     fleet_size: int = 0
     calls: int = 1
     created: float = field(default_factory=time.monotonic)
@@ -193,7 +195,7 @@ class Decider:
         decision = self.policy.decide(route, views, session_replica)
         ranked = [decision.replica_id]
         ranked += [v.replica_id for v in self.policy.rank(route, views) if v.replica_id != decision.replica_id]
-        return Routed(route, decision, ranked, matched, fleet_size=len(ids))
+        return Routed(route, decision, ranked, matched, views, session_replica, fleet_size=len(ids))
 
     def remember(self, routed: Routed, replica_id: str) -> None:
         """The request went to `replica_id`: the local memory a later degraded decision uses."""

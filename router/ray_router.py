@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+import uuid
 from collections import OrderedDict
 
 from ray.serve.request_router import (
@@ -36,9 +38,11 @@ from router.index.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 from router.load_table import LoadTable
 from router.metrics import router_metrics
 from router.policy import Decision, ReplicaView, RouteRequest, make_policy
+from router.protocol.audit_log import AuditWriter
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.messages import GenerateRequest, KvSource, RouteDecision
 from router.protocol.redis_schema import INFLIGHT_TTL_S
+from router.route_audit import decision_record
 from router.router_options import RouterOptions
 
 log = logging.getLogger("prefixgate.router")
@@ -80,6 +84,9 @@ class PrefixGateRouter(RequestRouter):
         self._decisions: OrderedDict[str, Routed] = OrderedDict()
         self.routed = 0  # requests Ray reported as routed (on_request_routed)
         self._calibrated_at = -1  # load-table refresh the policy's copy prices were last set from
+        # the live routing audit (docs/routing-audit.md): one file per router
+        self.audit = (AuditWriter.for_process(o.audit_dir, "router", f"{os.getpid()}-{uuid.uuid4().hex[:6]}")
+                      if o.audit_dir else None)
 
     def _adapter(self, req: GenerateRequest) -> str | None:
         """The identity the request's prompt is hashed and priced under (None: the base model's,
@@ -177,6 +184,8 @@ class PrefixGateRouter(RequestRouter):
         else:
             self.inflight.add(routed.route.block_hashes, rid)
         self.policy.commit(routed.route, rid, matched, routed.fleet_size)
+        if self.audit is not None:
+            self.audit.write(decision_record(self.policy, routed, rid, req.request_id))
         if self.index is not None:
             # other routers see it within a round trip: blocks nobody holds yet, now bound for rid
             known = max(routed.matched.values(), default=0)

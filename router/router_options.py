@@ -38,6 +38,8 @@ class RouterOptions:
     # LoRA: hash an adapter's prompts under its identity and price replicas by whether they hold
     # it; False routes every request as the base model's (as routers that do not know adapters do)
     lora_aware: bool = True
+    # the live routing audit (router/protocol/audit_log.py): each router writes its decisions here
+    audit_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy_options is None:

@@ -340,3 +340,29 @@ def test_chat_turns_uneven_and_reproducible():
 def test_load_spec_passes_turns_min_to_locust():
     argv = LoadSpec(turns=6, turns_min=2).locust_argv("http://x", Path("/tmp/o"), "p")
     assert argv[argv.index("--turns-min") + 1] == "2" and argv[argv.index("--turns") + 1] == "6"
+
+
+def test_audit_records_the_prefixgate_rows_and_audits_each_client_window(tmp_path):
+    """`--audit` as typed: the prefixgate rows get `--audit-dir`, the Ray rows nothing; each
+    client's audit takes the decisions made during its own run."""
+    from router.protocol.audit_log import AuditWriter, Decision, Outcome
+
+    parser = argparse.ArgumentParser()
+    h.add_parser(parser.add_subparsers())
+    typed = parser.parse_args(["headtohead", "--systems", "prefixgate-vllm,ray-llm-prefix", "--audit"])
+    assert typed.audit
+    s = h.settings_from_args(typed)
+    ours = h.system_for("prefixgate-vllm", s, typed, tmp_path / "audit")
+    assert ours.argv[-2:] == ["--audit-dir", str(tmp_path / "audit")] and ours.block_size == 32
+    assert "--audit-dir" not in h.system_for("ray-llm-prefix", s, typed, None).argv
+
+    w = AuditWriter.for_process(tmp_path / "audit", "router", "x")
+    for t, rid in ((1.0, "warm-up"), (5.0, "bench-1"), (6.0, "bench-2")):
+        w.write(Decision(t=t, request_id=rid, hashes=[1, 2, 3], prompt_tokens=100, replica="A", chosen="A", reason="load"))
+        w.write(Outcome(t=t + 0.5, request_id=rid, replica="A", prompt_tokens=100, cached_tokens=0))
+    out = tmp_path / "bench"
+    out.mkdir()
+    row = h.audit_client(ours, (4.0, 7.0), out)
+    assert row["decisions"] == 2 and row["requests"] == 2 and row["pooled_hits"] == 3  # bench-2 repeats bench-1
+    assert "routing audit: 2 decisions" in (out / "audit.txt").read_text()
+    assert h.audit_client(ours, (10.0, 11.0), out) is None  # nothing in that window: said, not raised

@@ -114,12 +114,16 @@ def test_serve_stops_cleanly_on_a_signal(tmp_path, signum, moment, target, keyed
     The keyed case starts it as a user of `--api-keys FILE` does: the start-up demo uses a
     configured key, keyed requests are served (the streams in flight carry one), others get 401.
     The HAProxy case (`--ingress haproxy`, gateway/ingress.py) serves the streams through HAProxy
-    and the gateways' own HTTP servers, and HAProxy goes with the rest."""
+    and the gateways' own HTTP servers, and HAProxy goes with the rest. The SIGINT case records the
+    live routing audit (`--audit-dir`) and reads it back with `prefixgate loadtest audit`."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "sim", "--replicas", "2", "--num-blocks", "256",
            "--port", str(port), "--metrics-port", str(free_port()), "--ingress", ingress]
+    audit = tmp_path / "audit" if signum == signal.SIGINT else None  # the live routing audit, as a user asks for it
+    if audit is not None:
+        cmd += ["--audit-dir", str(audit)]
     headers = None
     if keyed:
         keys = tmp_path / "keys.json"
@@ -182,6 +186,11 @@ def test_serve_stops_cleanly_on_a_signal(tmp_path, signum, moment, target, keyed
         assert not left, f"left running after exit ({took:.1f}s to exit):\n" + "\n".join(left)
         assert "Traceback" not in text and "SIGABRT" not in text and "Aborted" not in text, text[-3000:]
         assert "Controller failed to shut down" not in text, text[-3000:]
+        if audit is not None:  # what the run recorded reads back (the demo's request at least finished)
+            r = subprocess.run([sys.executable, "-m", "gateway.cli", "loadtest", "audit", str(audit)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0 and "routing audit:" in r.stdout, r.stdout + r.stderr
+            assert any(audit.glob("replica-*.jsonl")) and any(audit.glob("router-*.jsonl"))
         print(f"[shutdown] {signal.Signals(signum).name} to {target} {moment}: exit 0 after {took:.1f}s, "
               f"{len(seen)} processes, none left")
     finally:

@@ -62,6 +62,7 @@ class StreamHost:
     replica_id: str = "device-replica"
     draining: bool = False
     kv_pull: Any = None
+    audit: Any = None
 
 
 @dataclass

@@ -19,12 +19,14 @@ import msgspec
 
 from replica.backends.engine_protocol import EngineBackend
 from replica.core.engine_types import InvalidRequestError
+from replica.serve.audit import AuditListener
 from replica.serve.drain import drain_replica
 from replica.serve.heartbeat import build_heartbeat
 from replica.serve.metrics import ReplicaMetrics
 from replica.serve.publisher import BlockPublisher, PublisherConfig
 from replica.serve.replica_settings import ReplicaSettings, create_backend
 from replica.serve.request_stream import request_chunks
+from router.protocol.audit_log import AuditWriter
 from router.protocol.lora import AdapterRef
 from router.protocol.messages import RouteDecision, encode_chunk
 from router.protocol.redis_schema import Heartbeat
@@ -57,6 +59,11 @@ class PrefixCacheReplica:
         self.draining = False
         # (steps started, steps finished) at each heartbeat: shows beats while a step runs
         self.heartbeats: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
+        # the live routing audit (docs/routing-audit.md): block events and outcomes, this replica's own file
+        self.audit = (AuditWriter.for_process(self.settings.audit_dir, "replica", self.replica_id)
+                      if self.settings.audit_dir else None)
+        if self.audit is not None:
+            self.backend.add_listener(AuditListener(self.audit, self.replica_id, self.settings.publish_depth))
         if self.settings.redis_url:
             self.publisher = BlockPublisher(
                 PublisherConfig(

@@ -24,6 +24,7 @@ class ReplicaSettings:
     sim: dict | None = None  # SimEngineConfig fields: a simulated-compute replica (no model, no torch)
     kv_pull_timeout_s: float = KV_PULL_TIMEOUT_S  # a pull hint's round trip (docs/kv-pull.md); past it: recompute
     stream_interval_s: float = STREAM_INTERVAL_S  # a stream sends at most once per interval (replica/serve/stream_batcher.py)
+    audit_dir: str | None = None  # the live routing audit: block events and outcomes go here (router/protocol/audit_log.py)
     vllm: dict | None = None  # VllmSettings fields: a replica running vLLM's engine (replica/backends/vllm_backend.py)
 
     @classmethod

@@ -54,6 +54,9 @@ CAUSES: dict[str, str] = {
     "rejected": "oracle hits of requests too large for a replica (the simulator rejects them)",
     # decision term: best - effective
     "depth_cap": "the longer match lies past publish_depth, where the router does not look",
+    "overflow": "(live) Ray placed the request on another replica than the policy chose (that one was at "
+                "max_ongoing_requests)",
+    "stale": "(live) the index did not answer within the lookup's deadline; the router decided from its own memory",
     "session": "session stickiness overrode the policy's own choice",
     "load": "the policy saw the holder's longer match but priced it higher than the chosen replica by more "
             "than balance_tolerance (its queue)",

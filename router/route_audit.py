@@ -1,0 +1,29 @@
+"""A routing decision as the live audit records it (router/protocol/audit_log.py `Decision`):
+what the policy saw and priced, beside where the request went."""
+
+from __future__ import annotations
+
+from router.decider import Routed
+from router.policy import AffinityPolicy, Policy
+from router.protocol import audit_log
+
+
+def decision_record(policy: Policy, routed: Routed, replica_id: str, request_id: str) -> audit_log.Decision:
+    route, decision, views = routed.route, routed.decision, routed.views
+    affinity = isinstance(policy, AffinityPolicy)
+    if affinity:
+        costs = policy._costs(route, views) if views else {}  # what decide priced (same views, same figures)
+    else:
+        costs = {v.replica_id: policy.cost(route, v) for v in views}
+    return audit_log.Decision(
+        t=audit_log.now(), request_id=request_id, hashes=list(route.block_hashes),
+        prompt_tokens=route.num_prompt_tokens, replica=replica_id, chosen=decision.replica_id,
+        reason=decision.reason, pull_from=decision.pull_from, pull_blocks=decision.pull_blocks,
+        session_replica=routed.session_replica,
+        seen={v.replica_id: v.matched_blocks for v in views},
+        loads={v.replica_id: [v.running, v.waiting, v.pending_prefill_tokens] for v in views},
+        costs={rid: round(c, 1) for rid, c in costs.items()},
+        balance_tokens=policy.balance_tolerance * route.num_prompt_tokens if affinity else 0.0,
+        capacity={v.replica_id: v.capacity_blocks for v in views if v.capacity_blocks},
+        cache_blind=not affinity,
+    )
