@@ -162,7 +162,7 @@ def test_every_router_option_reaches_the_router_from_a_config_file():
     changed = {"policy": "affinity", "policy_options": {"miss_weight": 9.0}, "publish_depth": 32,
                "key_prefix": "cfg", "redis_timeout_s": 0.2, "session_ttl_s": 60, "seed": 5,
                "sampled_replicas": 2, "index_buckets": 4, "load_refresh_s": 0.5, "block_size": 32,
-               "redis_url": "redis://127.0.0.1:1/0", "lora_aware": False}
+               "redis_url": "redis://127.0.0.1:1/0", "lora_aware": False, "audit_dir": "/tmp/audit"}
     assert set(changed) | {"model_id"} == {f.name for f in fields(RouterOptions)}
     config = AppConfig.from_dict(changed)
     kwargs = router_config(config, "my-model").request_router_kwargs
@@ -175,6 +175,7 @@ def test_every_router_option_reaches_the_router_from_a_config_file():
     replica = next(d for d in _deployments(app) if d.name == "PrefixCacheReplica")
     settings = ReplicaSettings.from_dict(replica.init_args[0])
     assert settings.index_buckets == 4 and settings.key_prefix == "cfg" and settings.publish_depth == 32
+    assert settings.audit_dir == "/tmp/audit"  # the replicas record their side of the audit there
 
 
 def _deployments(app):
