@@ -64,7 +64,9 @@ def test_chat_sessions_hit_their_cache(fleet):
     for turns in results:
         assert turns[0][0] == 0  # a fresh system prompt: nothing cached anywhere
         for hit, route, replica in turns[1:]:
-            assert hit > 0 and route == "session" and replica == turns[0][2]
+            # the conversation stays where its cache is: by the session's entry, or by its prefix
+            # where the lookup answered before the previous turn's session write landed
+            assert hit > 0 and replica == turns[0][2] and route in ("session", "prefix"), (hit, route, replica)
         replicas.update(r for _, _, r in turns)
     assert len(replicas) >= 2  # the conversations spread over the fleet
 

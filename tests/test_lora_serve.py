@@ -188,7 +188,9 @@ def test_heartbeats_list_the_resident_adapters(lora_app, lora_config, lora_dirs)
     tutor = adapter_ref("tutor", lora_dirs["tutor"]).identity
     r = complete(lora_app, "tutor", f"hb-{uuid.uuid4().hex[:6]}")
     home = r.headers["x-prefixgate-replica"]
-    deadline = time.monotonic() + 30  # a hang guard only: a heartbeat comes every half second
+    # a hang guard only: a heartbeat comes every half second, but a loaded 2-core machine (the
+    # suite's other worker starting a stack) has held the publisher's loop for over 30 s
+    deadline = time.monotonic() + 180
     while tutor not in (hb := client.hgetall(keys.heartbeat(home))).get("lora_resident", "").split():
         assert time.monotonic() < deadline, hb
         time.sleep(0.2)
