@@ -178,11 +178,8 @@ class AffinityPolicy(Policy):
     only real overload moves it, and the request that moves is not the one in the TTFT tail.
 
     Among replicas whose cost is within `balance_tolerance` x this request's prompt tokens of the
-    lowest, the longest match wins, then the one that was sent the least prefill work recently (a
-    decayed tally over the last ~balance_memory decisions per replica). A holder ties with an idle
-    non-holder when its queue costs what the prefix saves; sending the request to the idle one
-    then gains nothing the cost model can see and computes the prefix a second time (the live
-    audit's one lost prefix on the head-to-head's 16 x 512 run, docs/routing-audit.md). Without it, cold requests go to whichever idle
+    lowest, the one that was sent the least prefill work recently wins (a decayed tally over the
+    last ~balance_memory decisions per replica). Without it, cold requests go to whichever idle
     replica comes first and work piles up unevenly over a minute even though every queue looks
     short; evening out new work also evens out how fast each replica's LRU turns over. The
     tolerance is small (0.05: a twentieth of the request's prefill, under a fiftieth of what
@@ -317,8 +314,7 @@ class AffinityPolicy(Policy):
         low = min(costs.values())
         near = [v for v in replicas if costs[v.replica_id] <= low + self.balance_tolerance * request.num_prompt_tokens]
         recent = self._recent
-        # a tie keeps the cache first (the holder), then evens out work (recent prefill), then cost
-        best = self._argmin(near, lambda r: (-r.matched_blocks, recent.get(r.replica_id, 0.0), costs[r.replica_id]))
+        best = self._argmin(near, lambda r: (recent.get(r.replica_id, 0.0), costs[r.replica_id]))
         if session_replica is not None and session_replica != best.replica_id:
             home = next((v for v in replicas if v.replica_id == session_replica), None)
             # + one request's decode weight: the home's load figure (a heartbeat, refreshed every
