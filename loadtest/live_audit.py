@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -65,15 +66,6 @@ class _Held:
                 break
             n += 1
         return n
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -138,7 +130,7 @@ def audit_dir(path: str | Path, block_size: int = 16, publish_depth: int | None 
         for rid in replicas:
             rec.cached[rid] = held[rid].run(hashes)
             flights = inflight[rid] = [f for f in inflight[rid] if f[0] > d.t]
-            q = max((_common(h, hashes) for _, h in flights), default=0)
+            q = max((len(os.path.commonprefix([h, hashes])) for _, h in flights), default=0)
             if q > rec.cached[rid]:
                 rec.prospective[rid] = q
         pros = {rid: max(n, rec.prospective.get(rid, 0)) for rid, n in rec.cached.items()}

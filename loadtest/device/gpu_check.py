@@ -143,10 +143,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def refuse_without_cuda(device: str) -> bool:
+    """True (and says why) where a CUDA device is asked for and there is none."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device here: run with --smoke for the CPU form", file=sys.stderr)
+        return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device here: run with --smoke for the CPU form", file=sys.stderr)
+    if refuse_without_cuda(args.device):
         return 2
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device {args.device} ({name}), torch {torch.__version__}, dtype {args.dtype}, "

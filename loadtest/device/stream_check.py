@@ -32,7 +32,12 @@ from typing import Any
 
 import torch
 
-from loadtest.device.gpu_check import qwen3_0_6b_config, save_random_model, tiny_qwen3_config
+from loadtest.device.gpu_check import (
+    qwen3_0_6b_config,
+    refuse_without_cuda,
+    save_random_model,
+    tiny_qwen3_config,
+)
 from replica.backends.local_backend import ModelBackend
 from replica.engine_config import EngineConfig
 from replica.serve.metrics import ReplicaMetrics
@@ -200,8 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device here: run with --smoke for the CPU form", file=sys.stderr)
+    if refuse_without_cuda(args.device):
         return 2
     with tempfile.TemporaryDirectory(prefix="prefixgate-stream-check-") as tmp:
         config = tiny_qwen3_config() if args.smoke else qwen3_0_6b_config()
