@@ -178,6 +178,9 @@ def stack(redis_server):
         kv_cache_mb=64, max_model_len=2048, default_max_tokens=32,
         kv_host_mb=128,  # a host K/V tier (2x the pool) below each pool: tests/test_kv_tiers.py, the tier metrics
         stall_timeout_s=10,  # tests/test_faults.py freezes a replica: wait 10 s for it, not 30
+        # as every other live app of the suite: a loaded CI machine must not turn index lookups into
+        # `stale` decisions (a stopped Redis still fails at once: connection refused)
+        redis_timeout_s=1.0,
     )
     s = LocalStack(config, port=free_port(), metrics_port=free_port()).start()  # metrics: tests/test_metrics.py
     _STACKS.append(s)
