@@ -32,8 +32,24 @@ def fleet(stack, redis_server):
         max_model_len=4096, redis_timeout_s=1.0,  # a loaded CI machine must not turn lookups into fallbacks
     )
     url = stack.deploy(config, name=APP, route_prefix=f"/{APP}")
+    _until_routers_use_the_index(url)
     yield url, APP
     serve.delete(APP)
+
+
+def _until_routers_use_the_index(url: str, in_a_row: int = 8) -> None:
+    """The tests below assert what routing by the index does; a router whose first lookups
+    fail (the fleet deployed beside the other worker's start-up: a lost connection or timeouts
+    skip Redis for a second) decides `stale` from its own memory, which cannot know what the
+    other gateway routed. Wait until `in_a_row` requests in a row (spread over both gateways by
+    Serve's proxy) were decided with the index. Bounded: a hang guard only."""
+    import time
+
+    deadline, row = time.monotonic() + 300, 0
+    while row < in_a_row:
+        assert time.monotonic() < deadline, "the fleet's routers never used the index"
+        r = complete_ids(url, [7, 11, 13, row, int(time.monotonic() * 1000) % 30000])
+        row = row + 1 if r.headers["x-prefixgate-route"] != "stale" else 0
 
 
 def chat(url: str, messages: list[dict], session: str | None = None) -> httpx.Response:
