@@ -128,6 +128,11 @@ class Policy(abc.ABC):
         uncached = max(request.num_prompt_tokens - v.matched_blocks * request.block_size, 0)
         return uncached + v.pending_prefill_tokens + 256.0 * _queued(v)
 
+    def costs(self, request: RouteRequest, replicas: list[ReplicaView]) -> dict[str, float]:
+        """Each replica's cost as `decide` priced it (the audits record them; same views, same
+        figures, no effect on the policy's state that a later decision reads)."""
+        return {v.replica_id: self.cost(request, v) for v in replicas}
+
     def rank(self, request: RouteRequest, replicas: list[ReplicaView]) -> list[ReplicaView]:
         """Replicas from cheapest to dearest by `cost` (stable for ties)."""
         return sorted(replicas, key=lambda v: self.cost(request, v))
@@ -307,6 +312,9 @@ class AffinityPolicy(Policy):
 
     def _costs(self, request: RouteRequest, replicas: list[ReplicaView]) -> dict[str, float]:
         return {v.replica_id: self.cost(request, v) for v in replicas}
+
+    def costs(self, request: RouteRequest, replicas: list[ReplicaView]) -> dict[str, float]:
+        return self._costs(request, replicas) if replicas else {}
 
     def decide(self, request, replicas, session_replica=None):
         _require(replicas)

@@ -11,10 +11,7 @@ from router.protocol import audit_log
 def decision_record(policy: Policy, routed: Routed, replica_id: str, request_id: str) -> audit_log.Decision:
     route, decision, views = routed.route, routed.decision, routed.views
     affinity = isinstance(policy, AffinityPolicy)
-    if affinity:
-        costs = policy._costs(route, views) if views else {}  # what decide priced (same views, same figures)
-    else:
-        costs = {v.replica_id: policy.cost(route, v) for v in views}
+    costs = policy.costs(route, views)  # recomputed from the kept views: only while auditing
     return audit_log.Decision(
         t=audit_log.now(), request_id=request_id, hashes=list(route.block_hashes),
         prompt_tokens=route.num_prompt_tokens, replica=replica_id, chosen=decision.replica_id,

@@ -247,10 +247,7 @@ class RoutingAudit:
         pros = {rid: max(n, rec.prospective.get(rid, 0)) for rid, n in rec.cached.items()}
         rec.seen = {v.replica_id: v.matched_blocks for v in views}
         rec.loads = {v.replica_id: (v.running, v.waiting, v.pending_prefill_tokens) for v in views}
-        if isinstance(policy, AffinityPolicy):
-            rec.costs = policy._costs(route, views)  # what decide priced (idempotent: same views)
-        else:
-            rec.costs = {v.replica_id: policy.cost(route, v) for v in views}
+        rec.costs = policy.costs(route, views)
         rec.best = max(pros.values(), default=0)
         rec.best_cached = max(rec.cached.values(), default=0)
         rec.effective = pros[chosen]
