@@ -182,3 +182,31 @@ def test_an_urgent_prompt_gets_a_step_of_its_own_prefill_and_the_decodes():
     assert queued.status is Status.WAITING
     chunks = {id(c.seq): c for c in _step(sched)}
     assert chunks[id(long)].end - chunks[id(long)].start > 1  # then the flex prefill goes on
+
+
+def test_an_adapter_waiting_for_a_slot_is_not_starved_by_the_slot_holders_new_requests():
+    """max_loras 1, `a` holds the slot: a request for `b` waits for it; `a`'s later requests
+    wait behind `b` (they would keep the slot busy forever), the base model's do not."""
+    from replica.core.adapter_slots import AdapterSlots
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(64, BS), AdapterSlots(1))
+
+    def seq(first: int, adapter: str | None, max_tokens: int) -> Sequence:
+        s = _seq(list(range(first, first + 8)), max_tokens)
+        s.adapter = adapter
+        sched.add(s)
+        return s
+
+    a1 = seq(100, "a", 3)
+    _step(sched)
+    b = seq(200, "b", 2)
+    a2 = seq(300, "a", 2)
+    base = seq(400, None, 2)
+    chunks = _step(sched)
+    assert [c.seq.request_id for c in chunks] == [a1.request_id, base.request_id]  # b waits for the slot; a2 waits behind b
+    assert b.status == a2.status == Status.WAITING
+    while a1.num_tokens - len(a1.prompt_token_ids) < 3:
+        _step(sched)
+    sched.finish(a1, "length")  # a drains: b gets the slot before a2 does
+    _step(sched)
+    assert b.status == Status.RUNNING and a2.status == Status.WAITING

@@ -7,7 +7,10 @@ pool runs dry, the running sequence last in (priority, arrival) order is preempt
 (hashed ones stay cached) and it is recomputed later, usually from cache. A step that preempted
 admits nobody, as in vLLM, so a sequence is never preempted and re-admitted in the same step.
 A request for a LoRA adapter is admitted only when its adapter can hold one of the batch's
-`max_loras` slots; until then it waits and requests behind it go first (vLLM's rule).
+`max_loras` slots; until then it waits, and requests behind it go first only if they need no
+slot (the base model's). vLLM lets every request behind it go, so an adapter whose slot holders
+keep getting new requests starves the others; here the holders drain and it gets a slot within
+one request's time.
 
 Priority (vLLM's `scheduling_policy="priority"`: lower values first, arrival order within one):
 waiting sequences are admitted, and running ones served each step, in (priority, arrival)
@@ -120,9 +123,9 @@ class Scheduler:
             seq = self.waiting[0]
             if yielded is not None and _order(seq) >= yielded:
                 break  # the step a prefill yielded is the urgent head's: nothing it outranks fills it
-            if seq.adapter is not None and not self.adapters.can_admit(seq.adapter):
-                passed.append(self.waiting.popleft())
-                continue
+            if seq.adapter is not None and (passed or not self.adapters.can_admit(seq.adapter)):
+                passed.append(self.waiting.popleft())  # behind a request waiting for a slot, no
+                continue  # adapter request goes first: the slot holders drain, so it cannot starve
             plan = self.blocks.plan(seq.table, seq.num_tokens, budget)
             if plan is None:
                 break
