@@ -1,14 +1,18 @@
 """LoRA routing: adapter-aware routing against routing that ignores adapters, one run, the same
 requests in the same order on fresh replicas.
 
-    prefixgate bench lora-routing [--adapters 8] [--sessions 4] [--turns 3] [--concurrency 4]
+    prefixgate bench lora-routing [--adapters 8] [--sessions 8] [--turns 2] [--concurrency 8]
 
 A local stack of 2 replicas of the bundled model (our engine) serving `--adapters` random peft
 adapters, `--max-cpu-loras` of them resident per replica (the rest read from disk on demand).
 Traffic: for each adapter `--sessions` conversations of `--turns` turns (a session keeps its
 adapter, as one customer's bot does), every conversation opening with the same product
 preamble (a shared system prompt: the same tokens under different adapters are different K/V).
-`--concurrency` clients each run one conversation at a time, drawn in a seeded order.
+`--concurrency` clients each run one conversation at a time, drawn in a seeded order. The
+defaults make the adapters' preambles together (8 x ~830 tokens) larger than one replica's cache
+(256 blocks of 16): the case where routing decides the hit rate. With a preamble set one replica
+can hold (`--preamble-words 320`), a router that ignores adapters keeps most hits by sending
+every conversation where the preamble's text went (docs/benchmarks.md, "LoRA routing").
 
 Arms: `lora_aware true` (the default: an adapter's prompts hashed under its identity, replicas
 priced by whether they hold it) and `lora_aware false` (every request hashed as the base model's,
@@ -129,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="prefixgate bench lora-routing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapters", type=int, default=8, help="LoRA adapters served (one per customer's bot)")
-    p.add_argument("--sessions", type=int, default=4, help="conversations per adapter")
-    p.add_argument("--turns", type=int, default=3, help="user turns per conversation")
-    p.add_argument("--concurrency", type=int, default=4, help="conversations in flight at once")
-    p.add_argument("--preamble-words", type=int, default=320, help="the shared system prompt's length, words")
+    p.add_argument("--sessions", type=int, default=8, help="conversations per adapter")
+    p.add_argument("--turns", type=int, default=2, help="user turns per conversation")
+    p.add_argument("--concurrency", type=int, default=8, help="conversations in flight at once")
+    p.add_argument("--preamble-words", type=int, default=800, help="the shared system prompt's length, words")
     p.add_argument("--turn-words", type=int, default=12, help="each user turn's length, words")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per answer")
     p.add_argument("--max-cpu-loras", type=int, default=2, help="adapters resident per replica")
