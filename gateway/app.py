@@ -155,6 +155,7 @@ def sim_settings(config: AppConfig, model_id: str) -> dict | None:
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         time_scale=config.time_scale, service=dict(config.sim_service), max_loras=config.max_loras if config.lora_enabled else 0,
+        max_cpu_loras=config.max_cpu_loras,
         **dict(config.sim_transfer),
     )
     sim.service_model().scaled(sim.time_scale)  # refuses unknown service fields and bad scales here

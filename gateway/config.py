@@ -104,8 +104,8 @@ class AppConfig:
     vllm_python: str | None = setting(None, help="engine vllm: the replicas' interpreter (default: .venv-vllm beside the checkout)")
     time_scale: float = setting(1.0, help="engine sim: run the service model this many times faster in wall time")
     sim_service: dict[str, float] = setting(factory=dict, help="engine sim: ServiceModel field overrides (router/costs/service.py)")
-    sim_transfer: dict[str, float] = setting(factory=dict, help="engine sim: pull and tier model (SimEngineConfig kv_bytes_per_token, pull_*, "
-                                                                  "host_blocks, disk_blocks, kv_host_bytes_per_s, kv_disk_bytes_per_s)")
+    sim_transfer: dict[str, float] = setting(factory=dict, help="engine sim: pull, tier and adapter-read model (SimEngineConfig kv_bytes_per_token, pull_*, "
+                                                                  "host_blocks, disk_blocks, kv_host_bytes_per_s, kv_disk_bytes_per_s, lora_load_ms)")
     sim_replica_num_cpus: float = setting(0.05, flag="--sim-replica-cpus", help="engine sim: Ray CPUs reserved per replica (many fit on a core)")
     # routing (router/router_options.py defines these defaults)
     policy: str = setting(_ROUTER.policy, choices=(*policy_names(), *policy_aliases()), help=f"routing policy (docs/policies.md): {policy_help()}")

@@ -22,10 +22,12 @@ from pathlib import Path
 
 from loadtest.fleet_report import FleetResult, RunSettings, live_result, sim_result
 from loadtest.trace_replay import ReplaySettings, replay
+from router.costs.adapter_memory import LoraConfig
 from router.costs.service import ServiceModel
 from router.costs.transfer_model import TransferModel
 from router.protocol.redis_schema import LOOKUP_TIMEOUT_S
 from router.sim.cli import BASE_REPLICAS, capacity_blocks, make_transfer
+from router.sim.lora import AdapterMix, adapter_identity
 from router.sim.tiers import TierConfig
 from router.sim.trace import load_rows, scale_rows, scale_service, scale_transfer, split_fitting
 from router.sim.workload import SimRequest, distinct_blocks
@@ -59,13 +61,41 @@ class FleetSpec:
     disk_blocks: str = "0"
     host_rate: float = TransferModel.host_bytes_per_s  # bytes/s of a tier hit back into the pool
     disk_rate: float = TransferModel.disk_bytes_per_s
+    # LoRA, as `prefixgate sim` takes it: sessions spread over adapters (none by default), each
+    # replica's adapters in host memory, and whether the router hashes and prices them
+    adapters: AdapterMix = field(default_factory=AdapterMix)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora_aware: bool = True
 
     def load_for(self, replicas: int) -> float:
         return replicas / BASE_REPLICAS if self.load_scale == "auto" else float(self.load_scale)
 
 
 def workload(spec: FleetSpec) -> list[SimRequest]:
-    return scale_rows(load_rows(spec.trace, spec.start, spec.requests), spec.block_size, spec.max_output)
+    """The slice's requests at the block size, their sessions under the adapter mix's adapters."""
+    requests = scale_rows(load_rows(spec.trace, spec.start, spec.requests), spec.block_size, spec.max_output)
+    return dataclasses.replace(spec.adapters, block_size=spec.block_size).apply(requests, spec.seed)
+
+
+def adapter_names(spec: FleetSpec) -> dict[str, str]:
+    """Each simulated adapter identity (router/sim/lora.py) -> the name the live stack serves it
+    under: the same `lora-<i>` (the live digest is the generated directory's, so the identities
+    differ; each side is consistent with itself)."""
+    return {adapter_identity(i): f"lora-{i}" for i in range(spec.adapters.adapters)}
+
+
+def build_adapters(spec: FleetSpec, where: Path) -> dict[str, str]:
+    """PEFT adapters of the bundled model (rank 4, attention), one per simulated adapter, for the
+    live stack to serve: the sim engine models their compute and memory, but a served adapter is
+    a real directory, checked as any."""
+    if not spec.adapters.adapters:
+        return {}
+    from loadtest.bench.lora_adapters import ATTENTION, make_adapter
+    from replica.default_model import default_model_dir
+
+    model = str(default_model_dir())
+    return {name: make_adapter(model, str(where / name), ATTENTION, 4, seed=i)
+            for i, name in enumerate(adapter_names(spec).values())}
 
 
 def settings_for(spec: FleetSpec, requests: list[SimRequest], replicas: int) -> tuple[RunSettings, list[SimRequest], int]:
@@ -75,7 +105,7 @@ def settings_for(spec: FleetSpec, requests: list[SimRequest], replicas: int) -> 
     rates = {"host_bytes_per_s": spec.host_rate, "disk_bytes_per_s": spec.disk_rate}
     s = RunSettings(replicas=replicas, capacity_blocks=cap, block_size=spec.block_size,
                     load_scale=spec.load_for(replicas), wall_scale=spec.wall_scale, seed=spec.seed, tiers=tiers,
-                    transfer=rates)
+                    transfer=rates, lora=spec.lora, lora_aware=spec.lora_aware)
     return s, kept, dropped
 
 
@@ -141,10 +171,13 @@ def worst_step_lag(heartbeats: list[dict[str, str]]) -> float | None:
 
 
 # ---- the runs ------------------------------------------------------------------------------------
-def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key_prefix: str):
+def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key_prefix: str,
+               adapters: dict[str, str] | None = None):
     """The Serve app of one live run: sim replicas running the trace's service model converted
     to the block size (the engine's step budget is its prefill chunk), sped up by the wall scale,
-    with the simulator's pull model and K/V tiers."""
+    with the simulator's pull model, K/V tiers and adapter memory (`adapters`: name -> directory,
+    as `build_adapters` makes them; as many batch slots as resident adapters, since the
+    simulator has no slot limit)."""
     from gateway.config import AppConfig
 
     service = scale_service(spec.service, spec.block_size)
@@ -155,7 +188,9 @@ def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key
         sim_transfer={"kv_bytes_per_token": transfer.kv_bytes_per_token, "pull_bytes_per_s": transfer.bytes_per_s,
                       "pull_fixed_s": transfer.fixed_s, "host_blocks": s.tiers.host_blocks,
                       "disk_blocks": s.tiers.disk_blocks, "kv_host_bytes_per_s": transfer.host_bytes_per_s,
-                      "kv_disk_bytes_per_s": transfer.disk_bytes_per_s},
+                      "kv_disk_bytes_per_s": transfer.disk_bytes_per_s, "lora_load_ms": s.lora.load_ms},
+        lora=dict(adapters or {}), max_cpu_loras=s.lora.max_cpu_loras, max_loras=s.lora.max_cpu_loras,
+        lora_aware=s.lora_aware,
         redis_url=redis_url, key_prefix=key_prefix, block_size=spec.block_size, num_blocks=s.capacity_blocks,
         max_model_len=spec.max_model_len, max_num_seqs=service.max_running,
         max_num_batched_tokens=service.chunk_tokens, long_prefill_token_threshold=0,  # the service model's chunk
@@ -177,7 +212,8 @@ def lookup_budget_s(wall_scale: float) -> float:
 def live_run(url: str, spec: FleetSpec, s: RunSettings, policy: str, requests: list[SimRequest],
              redis_url: str | None = None, key_prefix: str | None = None) -> FleetResult:
     """Replays `requests` against the gateway at `url` and measures it."""
-    rs = ReplaySettings(url=url, block_size=s.block_size, arrival_scale=s.load_scale * s.wall_scale, seed=s.seed)
+    rs = ReplaySettings(url=url, block_size=s.block_size, arrival_scale=s.load_scale * s.wall_scale, seed=s.seed,
+                        adapter_names=adapter_names(spec))
     records = [r.to_dict() for r in replay(requests, rs)]
     hbs = read_heartbeats(redis_url, key_prefix) if redis_url and key_prefix else []
     result = live_result(policy, requests, records, s)
@@ -195,7 +231,8 @@ def _key_prefix(s: RunSettings, policy: str) -> str:
 
 
 def run_one(stack, spec: FleetSpec, s: RunSettings, policy: str, requests: list[SimRequest],
-            name: str | None = None, route_prefix: str = "/") -> FleetResult:
+            name: str | None = None, route_prefix: str = "/", adapters: dict[str, str] | None = None,
+            key_prefix: str | None = None) -> FleetResult:
     """One live run on cold replicas: the app `name` is (re)deployed with a fresh Redis key
     prefix, so neither replica caches nor the index remember an earlier run."""
     from ray import serve
@@ -203,8 +240,8 @@ def run_one(stack, spec: FleetSpec, s: RunSettings, policy: str, requests: list[
     from gateway.stack import APP_NAME
 
     name = name or APP_NAME
-    prefix = _key_prefix(s, policy)
-    config = app_config(spec, s, policy, stack.config.redis_url, prefix)
+    prefix = key_prefix or _key_prefix(s, policy)
+    config = app_config(spec, s, policy, stack.config.redis_url, prefix, adapters)
     t0 = time.time()
     if name in serve.status().applications:
         serve.delete(name)
@@ -216,6 +253,8 @@ def run_one(stack, spec: FleetSpec, s: RunSettings, policy: str, requests: list[
 def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], None] | None = None,
               ray_address: str | None = None, redis_url: str = "auto") -> list[tuple[FleetResult, FleetResult]]:
     """Every (replica count, policy) live and simulated; fresh replicas for each live run."""
+    import tempfile
+
     from gateway.local_redis import LocalRedis, free_port
     from gateway.stack import LocalStack
 
@@ -225,7 +264,9 @@ def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], Non
     _stop_on_sigterm()
     own_redis = LocalRedis().start() if redis_url in ("", "auto") else None  # stopped below, whatever happens
     redis_url = own_redis.url if own_redis else redis_url
+    scratch = tempfile.TemporaryDirectory(prefix="fleet-adapters-")
     try:
+        adapters = build_adapters(spec, Path(scratch.name))
         for n in spec.replicas:
             s, kept, dropped = settings_for(spec, requests, n)
             if dropped:
@@ -235,13 +276,13 @@ def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], Non
                 if stack is None:  # Ray, Serve and Redis once, with the first run's app
                     t0 = time.time()
                     prefix = _key_prefix(s, policy)
-                    stack = LocalStack(app_config(spec, s, policy, redis_url, prefix), port=free_port(),
+                    stack = LocalStack(app_config(spec, s, policy, redis_url, prefix, adapters), port=free_port(),
                                        ray_address=ray_address).start()
                     print(f"[fleet] stack up with {n} sim replicas in {time.time() - t0:.0f}s", file=sys.stderr)
                     _stop_on_sigterm()  # after ray.init, which installs its own handler
                     live = live_run(stack.url, spec, s, policy, kept, stack.config.redis_url, prefix)
                 else:
-                    live = run_one(stack, spec, s, policy, kept)
+                    live = run_one(stack, spec, s, policy, kept, adapters=adapters)
                 sim = sim_result(policy, kept, s, spec.service)
                 pairs.append((live, sim))
                 if on_pair:
@@ -251,6 +292,7 @@ def run_fleet(spec: FleetSpec, on_pair: Callable[[FleetResult, FleetResult], Non
             if stack is not None:
                 stack.stop()
         finally:
+            scratch.cleanup()
             if own_redis is not None:
                 own_redis.cleanup()
     return pairs

@@ -30,7 +30,13 @@ from loadtest.fleet import (
 from loadtest.fleet_report import FleetResult, RunSettings, format_side_by_side, oracles, sim_result
 from router import registry
 from router.costs.service import ServiceModel
-from router.sim.cli import add_tier_flags, default_trace, parse_overrides
+from router.sim.cli import (
+    add_lora_flags,
+    add_tier_flags,
+    default_trace,
+    lora_settings,
+    parse_overrides,
+)
 
 
 def _rows_args(p: argparse.ArgumentParser) -> None:
@@ -49,15 +55,20 @@ def _rows_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", type=Path, default=None, help="write the results here")
     add_tier_flags(p)
+    add_lora_flags(p)
 
 
 def _spec(args: argparse.Namespace, replicas: list[int], policies: list[str]) -> FleetSpec:
+    mix, lora = lora_settings(args)
+    if len(args.lora_aware) > 1:
+        raise ValueError("--lora-aware: one arm per live run (run the fleet once per arm)")
     return FleetSpec(
         trace=str(args.trace or default_trace()), start=args.start, requests=args.requests, replicas=replicas,
         policies=policies, capacity=args.capacity, block_size=args.block_size, max_output=args.max_output,
         load_scale=args.load_scale, wall_scale=args.wall_scale, gateways=getattr(args, "gateways", 1),
         seed=args.seed, service=dataclasses.replace(ServiceModel(), **parse_overrides(args.service)),
         host_blocks=args.host_blocks, disk_blocks=args.disk_blocks, host_rate=args.host_rate, disk_rate=args.disk_rate,
+        adapters=mix, lora=lora, lora_aware=args.lora_aware[0],
     )
 
 
@@ -69,7 +80,11 @@ def _header(spec: FleetSpec, s: RunSettings, n_rows: int, dropped: int, pooled: 
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    spec = _spec(args, [args.replicas], [args.policy])
+    try:
+        spec = _spec(args, [args.replicas], [args.policy])
+    except ValueError as e:
+        print(f"prefixgate loadtest trace: {e}", file=sys.stderr)
+        return 2
     requests = workload(spec)
     if not requests:
         print("prefixgate loadtest trace: no rows", file=sys.stderr)
@@ -94,10 +109,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_fleet(args: argparse.Namespace) -> int:
     try:
         policies = registry.resolve_list(args.policies)
+        spec = _spec(args, args.replicas, policies)
     except ValueError as e:
         print(f"prefixgate loadtest fleet: {e}", file=sys.stderr)
         return 2
-    spec = _spec(args, args.replicas, policies)
     out = Path(args.out) if args.out else Path("loadtest/results") / f"fleet-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     pairs: list[tuple[FleetResult, FleetResult]] = []

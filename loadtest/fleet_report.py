@@ -14,12 +14,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from router import registry
+from router.costs.adapter_memory import LoraConfig
 from router.costs.service import ServiceModel
 from router.policy import make_policy
 from router.sim.cli import make_transfer
 from router.sim.engine import SimConfig, run_policy
 from router.sim.metrics import percentile, window_imbalance
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
+from router.sim.router_config import SimRouterConfig
 from router.sim.tiers import TierConfig
 from router.sim.trace import scale_service, scale_transfer
 from router.sim.workload import SimRequest
@@ -38,6 +40,8 @@ class RunSettings:
     seed: int = 0
     tiers: TierConfig = field(default_factory=TierConfig)  # each replica's host and disk tiers
     transfer: dict[str, float] = field(default_factory=dict)  # TransferModel overrides (tier rates)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # each replica's adapters in host memory
+    lora_aware: bool = True  # the router hashes and prices adapters
 
 
 @dataclass
@@ -149,7 +153,8 @@ def sim_result(policy: str, requests: list[SimRequest], s: RunSettings,
     transfer = scale_transfer(make_transfer(service, s.transfer), s.block_size)
     config = SimConfig(replicas=s.replicas, capacity_blocks=s.capacity_blocks, block_size=s.block_size,
                        service=scale_service(service, s.block_size),
-                       time_scale=s.load_scale, window_s=s.window_s, transfer=transfer, tiers=s.tiers)
+                       time_scale=s.load_scale, window_s=s.window_s, transfer=transfer, tiers=s.tiers,
+                       lora=s.lora, router=SimRouterConfig(lora_aware=s.lora_aware))
     name = registry.sim_policy(policy)  # Ray's routers are approximated by ours (docs/policies.md)
     extra = {"transfer": transfer} if "transfer" in inspect.signature(registry.get(name).policy_class).parameters else {}
     r = run_policy(requests, make_policy(name, seed=s.seed, **extra, **(options or {})), config)

@@ -13,7 +13,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import httpx
 
@@ -31,6 +31,7 @@ class ReplaySettings:
     drain_s: float = 120.0  # after the last send, requests still unanswered are cut off (errors)
     progress_s: float = 30.0  # print sent/answered/failed this often (0: never)
     model: str | None = None  # default: the gateway's first /v1/models entry
+    adapter_names: dict[str, str] = field(default_factory=dict)  # a request's adapter identity -> its served name
 
 
 @dataclass
@@ -65,7 +66,7 @@ async def _one(client: httpx.AsyncClient, s: ReplaySettings, model: str, req: Si
         await asyncio.sleep(delay)
     t0 = time.perf_counter()
     rec.send_lag_s = max(0.0, t0 - t_start - rec.at_s)
-    payload = {"model": model, "prompt": prompt_tokens(req, index, s.block_size, s.seed),
+    payload = {"model": s.adapter_names[req.adapter] if req.adapter else model, "prompt": prompt_tokens(req, index, s.block_size, s.seed),
                "max_tokens": req.output_tokens, "temperature": 0, "stream": True,
                "stream_options": {"include_usage": True}}
     usage = None

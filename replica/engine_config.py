@@ -12,12 +12,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.costs.adapter_memory import LORA_LOAD_MS
 from router.costs.service import ServiceModel
 from router.costs.transfer_model import TransferModel
-from router.protocol.hashing import BLOCK_SIZE
-from router.protocol.lora import (
-    MAX_CPU_LORAS as _MAX_CPU_LORAS,  # tokens per K/V block: the hash spec's default
-)
+from router.protocol.hashing import BLOCK_SIZE  # tokens per K/V block: the hash spec's default
+from router.protocol.lora import MAX_CPU_LORAS as _MAX_CPU_LORAS
 
 # The engine's defaults, defined here once: EngineConfig, the scheduler, the sim engine and the
 # gateway's AppConfig (the served defaults) all read these.
@@ -88,8 +87,12 @@ class SimEngineConfig:
     disk_blocks: int = 0
     kv_host_bytes_per_s: float = TransferModel.host_bytes_per_s
     kv_disk_bytes_per_s: float = TransferModel.disk_bytes_per_s
-    # LoRA adapters: their identity roots the block hashes; their compute is not modelled
+    # LoRA adapters: their identity roots the block hashes; host memory modelled as the
+    # simulator's (router/costs/adapter_memory.py: a request under an adapter not resident waits
+    # `lora_load_ms` for its read); their compute is not modelled
     max_loras: int = MAX_LORAS
+    max_cpu_loras: int = MAX_CPU_LORAS
+    lora_load_ms: float = LORA_LOAD_MS
 
     @classmethod
     def for_model_dir(cls, path: str | Path, **kwargs) -> SimEngineConfig:

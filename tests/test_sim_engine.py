@@ -215,3 +215,31 @@ def test_same_rows_as_the_simulator():
         assert out.num_cached_tokens == done.hit_blocks * bs, f"row {i}"
         assert ttft_engine == pytest.approx(end), f"row {i}"
     assert e.stats().cached_tokens == rep.bm.stats.hit_tokens
+
+
+def test_adapters_in_host_memory_are_modelled_as_the_simulator_does():
+    """max_cpu_loras 1: a request under an adapter not resident waits for its read (it is not
+    queued for the scheduler until then) and evicts the other; the stats report the resident
+    identity and the modelled read time, as a live replica's heartbeat does (0 before a read)."""
+    from router.protocol.lora import AdapterRef
+
+    e = engine(max_loras=1, max_cpu_loras=1, lora_load_ms=40.0)
+    a, b = (AdapterRef(name=n, path=f"/adapters/{n}", digest=n * 8) for n in ("a", "b"))
+    e.add_adapter(a)
+    e.add_adapter(b)
+    assert e.stats().lora_resident == [] and e.stats().lora_load_s == 0.0
+    params = SamplingParams(max_tokens=2)
+    first = e.add_request(list(range(100, 140)), params, adapter="a")
+    assert [seq.request_id for _, seq, _ in e._pulling] == [first] and not e.scheduler.has_work
+    while e.has_unfinished:
+        e.step()
+    assert e.stats().lora_resident == [a.identity] and e.stats().lora_load_s == pytest.approx(0.04)
+    e.add_request(list(range(100, 140)), params, adapter="a")  # resident: straight to the scheduler
+    assert not e._pulling and e.scheduler.has_work
+    while e.has_unfinished:
+        e.step()
+    e.add_request(list(range(200, 240)), params, adapter="b")  # read, and `a` leaves host memory
+    assert len(e._pulling) == 1
+    while e.has_unfinished:
+        e.step()
+    assert e.stats().lora_resident == [b.identity] and e.adapter_memory.loads == 2

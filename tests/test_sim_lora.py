@@ -10,21 +10,14 @@ from dataclasses import replace
 
 import pytest
 
+from router.costs.adapter_memory import AdapterLru, LoraConfig
 from router.costs.service import ServiceModel
 from router.policy import make_policy
 from router.protocol.hashing import block_hashes, chain_seed
+from router.protocol.lora import MAX_CPU_LORAS
 from router.sim.cli import main
 from router.sim.engine import SimConfig, run_policy
-from router.sim.lora import (
-    MAX_CPU_LORAS,
-    SIM_MODEL_ID,
-    AdapterLru,
-    AdapterMix,
-    LoraConfig,
-    adapter_hashes,
-    adapter_identity,
-    key_tokens,
-)
+from router.sim.lora import SIM_MODEL_ID, AdapterMix, adapter_hashes, adapter_identity, key_tokens
 from router.sim.metrics import PolicyResult
 from router.sim.router_config import SimRouterConfig
 from router.sim.workload import ChatWorkload, SimRequest

@@ -11,6 +11,9 @@ their text is a printable word per token, no tokenizer needed. With K/V tiers be
 (`host_blocks`, `disk_blocks`) the BlockManager's tier bookkeeping runs as on a real replica
 (no bytes: mover None); the step that admits a prompt with lower-tier hits is charged their
 copy back into the pool at the modelled tier rates (router/sim/tiers.py, as in the simulator).
+LoRA adapters root their requests' hashes and hold the scheduler's batch slots as on our engine;
+host memory is the simulator's model (`max_cpu_loras` resident, a read of `lora_load_ms` for
+one that is not), reported in the heartbeat as a live replica reports its own.
 
 It imports neither torch nor transformers, so hundreds fit on a few cores. On a busy machine a
 step can take longer than modelled (the sleep wakes late, the step's own Python work, the loop
@@ -32,6 +35,7 @@ from replica.core.engine_types import AddOptions, InvalidRequestError, RequestOu
 from replica.core.scheduler import ScheduledChunk
 from replica.core.sequence import Sequence
 from replica.engine_config import SimEngineConfig
+from router.costs.adapter_memory import AdapterLru, LoraConfig
 from router.costs.tier_costs import copy_s, tier_rate
 from router.protocol.sampling import SamplingParams
 
@@ -178,6 +182,7 @@ class SimEngine(EngineCore):
         self.pulls = 0  # hints that copied at least one block
         self.pulled_blocks = 0
         self.pull_times: list[float] = []  # modelled seconds per pull (bounded below)
+        self.adapter_memory = AdapterLru(LoraConfig(config.max_cpu_loras, config.lora_load_ms))
 
     # ---- submission ---------------------------------------------------------------------
     def add_request(
@@ -194,20 +199,24 @@ class SimEngine(EngineCore):
     ) -> str:
         """As LLMEngine.add_request, token ids only (the gateway tokenises). `kv_pull_blocks`:
         the router's pull hint, modelled (`_land_pulls`). `adapter`: a served adapter's name
-        (its identity roots the prompt's hashes; its compute is not modelled)."""
+        (its identity roots the prompt's hashes; one not in the modelled host memory is read
+        first, delaying this request alone; its compute is not modelled)."""
         seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len,
                                 adapter, priority)
         self._digest[seq.request_id] = xxhash.xxh64_intdigest(array("I", seq.prompt_token_ids).tobytes(), seed=seq.params.seed or 0)
         bs = self.config.block_size
         pull = min(kv_pull_blocks, len(seq.table.hashes), max(seq.num_prompt_tokens - 1, 0) // bs)
         missing = sum(h not in self.blocks.hash_to_block for h in seq.table.hashes[:pull])
+        wait_s = self.transfer.pull_s(missing * bs) if missing else 0.0
         if missing:
-            pull_s = self.transfer.pull_s(missing * bs)
-            self.requests[seq.request_id] = seq
-            self._pulling.append((time.monotonic() + pull_s / self.config.time_scale, seq, pull))
             self.pulls += 1
             if len(self.pull_times) < 100_000:
-                self.pull_times.append(pull_s)
+                self.pull_times.append(wait_s)
+        if adapter is not None and self.adapter_memory.use(self.adapters[adapter].identity):
+            wait_s += self.config.lora_load_ms / 1000
+        if wait_s:
+            self.requests[seq.request_id] = seq
+            self._pulling.append((time.monotonic() + wait_s / self.config.time_scale, seq, pull if missing else 0))
         else:
             self.enqueue(seq)
         return seq.request_id
@@ -226,10 +235,13 @@ class SimEngine(EngineCore):
         the scheduler finds them as hits. The holder is assumed to still hold them (this process
         cannot see its cache)."""
         now = time.monotonic()
-        while self._pulling and self._pulling[0][0] <= now:
-            _, seq, n = self._pulling.pop(0)
-            hashes = seq.table.hashes[:n]
-            self.pulled_blocks += self.blocks.finish_import(self.blocks.begin_import(hashes), hashes, seq.token_ids)
+        due = [p for p in self._pulling if p[0] <= now]  # waits differ: not always the first ones
+        for item in due:
+            self._pulling.remove(item)
+            _, seq, n = item
+            if n:
+                hashes = seq.table.hashes[:n]
+                self.pulled_blocks += self.blocks.finish_import(self.blocks.begin_import(hashes), hashes, seq.token_ids)
             self.scheduler.add(seq)
 
     def pull_rates(self) -> dict[str, int]:
@@ -252,6 +264,16 @@ class SimEngine(EngineCore):
 
     def forget(self, request_id: str) -> None:
         self._digest.pop(request_id, None)
+
+    def _lora_stats(self) -> dict:
+        """The slots' fields, and the modelled host memory's as a live replica reports its own:
+        resident identities, the read time once one was made (0 before)."""
+        stats = super()._lora_stats()
+        if stats:
+            memory = self.adapter_memory
+            stats.update(lora_resident=list(memory.resident),
+                         lora_load_s=memory.config.load_ms / 1000 if memory.loads else 0.0)
+        return stats
 
     def queued_elsewhere(self) -> tuple[int, int]:
         return len(self._pulling), sum(seq.num_tokens for _, seq, _ in self._pulling)  # a pulling request is queued work

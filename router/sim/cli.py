@@ -16,12 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+from router.costs.adapter_memory import LORA_LOAD_MS, LoraConfig
 from router.costs.service import ServiceModel
 from router.costs.transfer_model import TransferModel
 from router.policy import POLICIES, AffinityPolicy, Policy, make_policy
+from router.protocol.lora import MAX_CPU_LORAS
 from router.sim.audit import RoutingAudit, pooled_lru_per_request
 from router.sim.engine import SimConfig, run_policy
-from router.sim.lora import LORA_LOAD_MS, MAX_CPU_LORAS, AdapterMix, LoraConfig
+from router.sim.lora import AdapterMix
 from router.sim.metrics import PolicyResult
 from router.sim.oracle import pooled_lru_hits, unbounded_hits
 from router.sim.replica import HOLDER_MODES

@@ -16,13 +16,13 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from router.costs.adapter_memory import LoraConfig
 from router.costs.service import ServiceModel
 from router.costs.transfer_model import TransferModel
 from router.index.memory_index import InMemoryIndex
 from router.policy import Policy
 from router.protocol.media import DISK, HOST
 from router.sim.audit import RoutingAudit
-from router.sim.lora import LoraConfig
 from router.sim.metrics import PolicyResult, percentile, window_imbalance
 from router.sim.replica import Job, SimReplica
 from router.sim.router_config import SimRouterConfig

@@ -12,27 +12,24 @@ the live replay's synthetic blocks, router/sim/trace.py, draw a random token per
 the same tokens under two adapters are two different blocks. The workload's own keys, which stand for the base model's blocks as in every run without adapters,
 are kept beside them: what a router that ignores adapters hashes (`--lora-aware false`).
 
-Replica (`AdapterLru`): the adapters resident in host memory, at most `max_cpu_loras`, least
-recently used out (replica/model/lora.py `AdapterStore`). A request whose adapter is not resident
-reads it from disk first (`load_ms`, in its prefill slot, when it is admitted); the heartbeat
-reports the residents' identities and the read time (0 until the first read), as a live
-replica's does. Not modelled: the `max_loras` batch slots, an adapter's compute, adapters read at
-start (every replica starts with none resident).
+Replica (`AdapterLru`, router/costs/adapter_memory.py, shared with the live sim engine): the
+adapters resident in host memory. A request whose adapter is not resident reads it from disk
+first (`load_ms`, in its prefill slot, when it is admitted). Not modelled here: the `max_loras`
+batch slots, an adapter's compute, adapters read at start (every replica starts with none
+resident).
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from router.protocol.hashing import chain_seed, hash_block
-from router.protocol.lora import MAX_CPU_LORAS, AdapterRef
+from router.protocol.lora import AdapterRef
 from router.sim.workload import SimRequest, _zipf_cum
 
-LORA_LOAD_MS = 100.0  # reading a rank-16 adapter of a large model from NVMe, a few hundred MB
 SIM_MODEL_ID = "prefixgate-sim"  # the model identity the simulated chains are rooted in
 _PREAMBLE_KEYS = 1 << 62  # workload keys of the adapters' preambles, above any trace or generated key
 
@@ -97,47 +94,3 @@ class AdapterMix:
         return replace(req, hashes=adapter_hashes(keys, identity), input_tokens=req.input_tokens + n * self.block_size,
                        adapter=identity, base_hashes=keys)
 
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """A simulated replica's adapter memory, as the live settings name it (docs/lora.md)."""
-
-    max_cpu_loras: int = MAX_CPU_LORAS  # adapters resident in host memory
-    load_ms: float = LORA_LOAD_MS  # reading one from disk
-
-    def __post_init__(self) -> None:
-        if self.max_cpu_loras < 1 or self.load_ms < 0:
-            raise ValueError("max_cpu_loras must be >= 1 and the load time >= 0")
-
-
-class AdapterLru:
-    """One replica's adapters in host memory: an LRU of identities, and the disk reads it made."""
-
-    def __init__(self, config: LoraConfig) -> None:
-        self.config = config
-        self.resident: OrderedDict[str, None] = OrderedDict()
-        self.loads = 0  # disk reads
-
-    def holds(self, identity: str | None) -> bool:
-        """No adapter, or one resident: the request starts without a read."""
-        return identity is None or identity in self.resident
-
-    def use(self, identity: str | None) -> bool:
-        """A request under `identity` starts: whether it reads the adapter from disk first. The
-        adapter is then the most recently used; past `max_cpu_loras` the least recently used goes."""
-        if identity is None:
-            return False
-        read = identity not in self.resident
-        if read:
-            self.loads += 1
-            self.resident[identity] = None
-            while len(self.resident) > self.config.max_cpu_loras:
-                self.resident.popitem(last=False)
-        self.resident.move_to_end(identity)
-        return read
-
-    def heartbeat(self) -> dict[str, str | int]:
-        """The heartbeat's LoRA fields: resident identities, and the read time once one was made
-        (a live replica reports 0 until it has measured a read)."""
-        return {"lora_resident": " ".join(self.resident),
-                "lora_load_ms": round(self.config.load_ms) if self.loads else 0}

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from replica.kvcache.block_manager import BlockManager, BlockTable
+from router.costs.adapter_memory import AdapterLru, LoraConfig
 from router.costs.service import ServiceModel
 from router.costs.tier_costs import copy_s
 from router.costs.transfer_model import TransferModel
@@ -23,7 +24,6 @@ from router.index.memory_index import InMemoryIndex
 from router.policy import ReplicaView
 from router.protocol.media import DEVICE
 from router.protocol.redis_schema import LOAD_FIELDS, Heartbeat
-from router.sim.lora import AdapterLru, LoraConfig
 from router.sim.tiers import TierConfig, tier_heartbeat
 from router.sim.workload import SimRequest
 

@@ -41,9 +41,10 @@ def trailing_token(index: int) -> int:
 
 
 def prompt_tokens(req: SimRequest, index: int, block_size: int, seed: int = 0) -> list[int]:
-    """The prompt the live replay sends for `req`: one block per hash id, then one unique token."""
+    """The prompt the live replay sends for `req`: one block per hash id, then one unique token.
+    Under an adapter, the blocks are its base keys' (the same tokens under two adapters)."""
     out: list[int] = []
-    for h in req.hashes:
+    for h in req.base_hashes or req.hashes:
         out.extend(block_tokens(h, block_size, seed))
     out.append(trailing_token(index))
     return out
