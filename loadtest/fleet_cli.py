@@ -74,6 +74,10 @@ def _spec(args: argparse.Namespace, replicas: list[int], policies: list[str]) ->
 
 def _header(spec: FleetSpec, s: RunSettings, n_rows: int, dropped: int, pooled: float, unbounded: float) -> str:
     below = f" + host {s.tiers.host_blocks} + disk {s.tiers.disk_blocks}" if s.tiers.blocks else ""
+    mix = spec.adapters
+    if mix.adapters:
+        below += (f"; {mix.adapters} LoRA adapters (Zipf {mix.zipf_s:g}, preambles of {mix.preamble_blocks} blocks), "
+                  f"max_cpu_loras {s.lora.max_cpu_loras}, reads {s.lora.load_ms:g} ms, lora_aware {str(s.lora_aware).lower()}")
     return (f"== rows {spec.start}..{spec.start + spec.requests - 1} ({n_rows} replayed, {dropped} too large for a "
             f"replica), {s.replicas} replicas x {s.capacity_blocks} blocks of {s.block_size} tokens{below}, load scale "
             f"{s.load_scale:g}, time scale {s.wall_scale:g}; pooled-LRU oracle {pooled:.1%}, unbounded {unbounded:.1%}")
