@@ -126,3 +126,50 @@ def test_closing_early_closes_the_source():
         await asyncio.wait_for(feed.closed.wait(), 10)
 
     asyncio.run(main())
+
+
+def test_a_replicas_streams_share_its_sends_per_second():
+    """SendBudget: the base interval while few streams are open; with more than sends_per_s x
+    base of them, each stream's interval grows to open streams / sends_per_s; 0 is no cap; a
+    stream is counted while it lasts, an error included."""
+    from replica.serve.stream_batcher import SendBudget
+
+    budget = SendBudget(0.05, 100.0)
+    with budget.stream() as interval:
+        assert interval() == 0.05  # 1 stream: 1/100 s < the base
+        opened = [budget.stream() for _ in range(19)]
+        for s in opened:
+            s.__enter__()
+        assert budget.streams == 20 and interval() == pytest.approx(0.2)
+        for s in opened:
+            s.__exit__(None, None, None)
+    with pytest.raises(RuntimeError), budget.stream():
+        raise RuntimeError("stream failed")
+    assert budget.streams == 0 and SendBudget(0.05, 0).interval() == 0.05
+
+
+def test_the_interval_is_read_before_each_send():
+    """A callable interval is read for every send: here 0 for the first, then 60 s, so the second
+    output waits and leaves with the third (the end, sent at once); read once, the 0 would have
+    sent the second alone."""
+    reads: list[float] = []
+
+    def interval() -> float:
+        reads.append(0.0 if not reads else 60.0)
+        return reads[-1]
+
+    async def main():
+        feed = Feed()
+        gen = batched_outputs(aiter(feed), interval_s=interval, keepalive_s=60.0)
+        feed.queue.put_nowait(_out(0))
+        assert (await anext(gen)).new_token_ids == [0]
+        feed.queue.put_nowait(_out(1))
+        second = asyncio.ensure_future(anext(gen))
+        for _ in range(10):  # the batcher takes output 1 and waits out its interval
+            await asyncio.sleep(0)
+        assert not second.done()
+        feed.queue.put_nowait(_out(2, finished=True))
+        out = await second
+        assert out.new_token_ids == [1, 2] and out.finished and len(reads) == 2
+
+    asyncio.run(main())
