@@ -133,7 +133,6 @@ def replica_settings(config: AppConfig, model_id: str) -> ReplicaSettings:
                            publish_depth=config.publish_depth, torch_threads=config.torch_threads,
                            sim=sim_settings(config, model_id), kv_pull_timeout_s=config.kv_pull_timeout_s,
                            vllm=vllm_settings(config), stream_interval_s=config.stream_interval_ms / 1000,
-                           stream_sends_per_s=config.stream_sends_per_s,
                            audit_dir=config.audit_dir)
 
 

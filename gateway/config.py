@@ -25,12 +25,7 @@ from replica.engine_config import (
     MAX_NUM_SEQS,
 )
 from router.protocol.hashing import BLOCK_SIZE
-from router.protocol.messages import (
-    KEEPALIVE_S,
-    KV_PULL_TIMEOUT_S,
-    STREAM_INTERVAL_S,
-    STREAM_SENDS_PER_S,
-)
+from router.protocol.messages import KEEPALIVE_S, KV_PULL_TIMEOUT_S, STREAM_INTERVAL_S
 from router.registry import aliases as policy_aliases
 from router.registry import help_text as policy_help
 from router.registry import policy_names
@@ -154,8 +149,6 @@ class AppConfig:
                                                 "for frozen and the request moves on (0: off)")
     stream_interval_ms: float = setting(STREAM_INTERVAL_S * 1000, help="a replica sends a stream's tokens at most once per "
                                         "interval, all produced since the last send (the first and the last at once; 0: every output)")
-    stream_sends_per_s: float = setting(STREAM_SENDS_PER_S, help="per replica: stream sends per second, shared by its open "
-                                        "streams (each sends at most once per open streams / this; the first token at once; 0: no cap)")
     drain_timeout_s: float = setting(20.0, help="a stopping replica's requests get this long to finish; the rest move on")
     kv_pull_timeout_s: float = setting(KV_PULL_TIMEOUT_S, help="a replica acting on a pull hint waits this long for the holder, then computes")
     # flow control (gateway/flow/, docs/flow-control.md)
@@ -203,8 +196,6 @@ class AppConfig:
             raise ValueError(f"stall_timeout_s must be 0 (off) or above {2 * KEEPALIVE_S:g} s (two keepalives), "
                              f"got {self.stall_timeout_s}")
         # a send per interval bounds how long a token waits; one at most a keepalive apart keeps the guard's view
-        if self.stream_sends_per_s < 0:
-            raise ValueError(f"stream_sends_per_s must be >= 0, got {self.stream_sends_per_s}")
         if not 0 <= self.stream_interval_ms <= KEEPALIVE_S * 1000:
             raise ValueError(f"stream_interval_ms must be in [0, {KEEPALIVE_S * 1000:g}], got {self.stream_interval_ms}")
         if self.kv_host_mb < 0 or self.kv_disk_mb < 0:

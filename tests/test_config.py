@@ -115,11 +115,11 @@ def test_one_default_per_setting():
 _SHARED_DEFAULTS = {
     "gateway.config.AppConfig": ("kv_cache_mb", "max_num_seqs", "max_num_batched_tokens", "publish_depth",
                                  "key_prefix", "index_buckets", "stream_interval_ms", "kv_pull_timeout_s",
-                                 "redis_timeout_s", "policy", "stream_sends_per_s"),
+                                 "redis_timeout_s", "policy"),
     "router.router_options.RouterOptions": ("policy", "block_size", "publish_depth", "key_prefix",
                                             "index_buckets", "redis_timeout_s"),
     "replica.serve.replica_settings.ReplicaSettings": ("key_prefix", "index_buckets", "publish_depth",
-                                                       "kv_pull_timeout_s", "stream_interval_s", "stream_sends_per_s"),
+                                                       "kv_pull_timeout_s", "stream_interval_s"),
     "replica.engine_config.EngineConfig": ("block_size", "max_num_seqs", "max_num_batched_tokens"),
     "replica.engine_config.SimEngineConfig": ("block_size", "max_num_seqs"),
     "replica.kv_io.kv_pull.KvPullConfig": ("timeout_s",),
@@ -202,18 +202,6 @@ def test_stream_interval_flag_reaches_the_replicas():
         _parse("--stream-interval-ms", "5000")
     with pytest.raises(ValueError, match="stream_interval_ms"):
         AppConfig(stream_interval_ms=-1)
-
-
-def test_stream_sends_flag_reaches_the_replicas():
-    """`--stream-sends-per-s` (a replica's stream sends per second, shared by its streams) is what
-    each replica's settings carry, 0 (no cap) included; a negative rate is refused, named."""
-    from gateway.app import replica_settings
-
-    assert replica_settings(_parse("--stream-sends-per-s", "150"), "m").stream_sends_per_s == 150
-    assert replica_settings(_parse("--stream-sends-per-s", "0"), "m").stream_sends_per_s == 0
-    assert replica_settings(AppConfig(), "m").stream_sends_per_s == ReplicaSettings().stream_sends_per_s
-    with pytest.raises(ValueError, match="stream_sends_per_s"):
-        _parse("--stream-sends-per-s", "-1")
 
 
 def test_lora_flags_and_config_keys_reach_the_engine(tmp_path):

@@ -136,12 +136,9 @@ def _stream_host(backend, replica_id: str = "me"):
     from types import SimpleNamespace
 
     from replica.serve.replica_settings import ReplicaSettings
-    from replica.serve.stream_batcher import SendBudget
 
-    settings = ReplicaSettings(sim={})
     return SimpleNamespace(replica_id=replica_id, draining=False, backend=backend, kv_pull=None, audit=None,
-                           metrics=SimpleNamespace(request=_Record), settings=settings,
-                           sends=SendBudget(settings.stream_interval_s, settings.stream_sends_per_s))
+                           metrics=SimpleNamespace(request=_Record), settings=ReplicaSettings(sim={}))
 
 
 def test_a_pull_hint_reaches_the_sim_engine_as_a_typed_extra_and_only_from_another_replica():

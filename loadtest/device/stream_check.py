@@ -43,7 +43,6 @@ from replica.engine_config import EngineConfig
 from replica.serve.metrics import ReplicaMetrics
 from replica.serve.replica_settings import ReplicaSettings
 from replica.serve.request_stream import request_chunks
-from replica.serve.stream_batcher import SendBudget
 from router.protocol.messages import (
     STREAM_INTERVAL_S,
     DeltaChunk,
@@ -69,11 +68,6 @@ class StreamHost:
     draining: bool = False
     kv_pull: Any = None
     audit: Any = None
-    sends: SendBudget | None = None
-
-    def __post_init__(self) -> None:
-        if self.sends is None:
-            self.sends = SendBudget(self.settings.stream_interval_s, self.settings.stream_sends_per_s)
 
 
 @dataclass

@@ -26,7 +26,6 @@ from replica.serve.metrics import ReplicaMetrics
 from replica.serve.publisher import BlockPublisher, PublisherConfig
 from replica.serve.replica_settings import ReplicaSettings, create_backend
 from replica.serve.request_stream import request_chunks
-from replica.serve.stream_batcher import SendBudget
 from router.protocol.audit_log import AuditWriter
 from router.protocol.lora import AdapterRef
 from router.protocol.messages import RouteDecision, encode_chunk
@@ -49,7 +48,6 @@ class PrefixCacheReplica:
 
     async def __init__(self, settings: dict) -> None:
         self.settings = ReplicaSettings.from_dict(settings)
-        self.sends = SendBudget(self.settings.stream_interval_s, self.settings.stream_sends_per_s)
         self.replica_id = _replica_id()
         self.backend: EngineBackend = await create_backend(self.settings)
         facts = self.backend.facts

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from replica.backends.engine_protocol import ENGINE_NAMES, EngineBackend
 from replica.engine_config import EngineConfig
-from router.protocol.messages import KV_PULL_TIMEOUT_S, STREAM_INTERVAL_S, STREAM_SENDS_PER_S
+from router.protocol.messages import KV_PULL_TIMEOUT_S, STREAM_INTERVAL_S
 from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS
 from router.router_options import PUBLISH_DEPTH
 
@@ -24,7 +24,6 @@ class ReplicaSettings:
     sim: dict | None = None  # SimEngineConfig fields: a simulated-compute replica (no model, no torch)
     kv_pull_timeout_s: float = KV_PULL_TIMEOUT_S  # a pull hint's round trip (docs/kv-pull.md); past it: recompute
     stream_interval_s: float = STREAM_INTERVAL_S  # a stream sends at most once per interval (replica/serve/stream_batcher.py)
-    stream_sends_per_s: float = STREAM_SENDS_PER_S  # ... and the replica's streams at most this often together (0: no cap)
     audit_dir: str | None = None  # the live routing audit: block events and outcomes go here (router/protocol/audit_log.py)
     vllm: dict | None = None  # VllmSettings fields: a replica running vLLM's engine (replica/backends/vllm_backend.py)
 

@@ -20,7 +20,7 @@ from replica.backends.engine_protocol import NO_EXTRAS, EngineBackend, KvPullPee
 from replica.core.engine_types import InvalidRequestError, UnknownAdapterError
 from replica.serve.audit import outcome
 from replica.serve.keepalive import with_keepalive
-from replica.serve.stream_batcher import SendBudget, batched_outputs
+from replica.serve.stream_batcher import batched_outputs
 from router.protocol.audit_log import AuditWriter, now
 from router.protocol.messages import (
     KEEPALIVE_S,
@@ -46,7 +46,6 @@ class StreamHost(Protocol):
     kv_pull: KvPullPeer | None  # moves pulled K/V bytes, where the backend does
     settings: Any  # ReplicaSettings
     audit: AuditWriter | None  # the live routing audit's file, where it is on
-    sends: SendBudget  # its streams' shared sends per second (replica/serve/stream_batcher.py)
 
 
 async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision | None) -> AsyncIterator[Chunk]:
@@ -76,25 +75,25 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
             request.prompt_token_ids, request.params, request_id=request.request_id,
             cache_salt=request.cache_salt, adapter=request.adapter, priority=request.priority, extras=extras,
         )
+        batched = batched_outputs(stream, replica.settings.stream_interval_s, KEEPALIVE_S)
         first_token_t = None
-        with replica.sends.stream() as interval:
-            async with contextlib.aclosing(batched_outputs(stream, interval, KEEPALIVE_S)) as outputs:
-                async for out in outputs:
-                    if out is None:  # nothing new for a while: tell the gateway's stall guard we are here
-                        yield AliveChunk()
-                        continue
-                    rec.output(out)
-                    if out.new_token_ids or out.new_text:
-                        if first_token_t is None and replica.audit is not None:
-                            first_token_t = now()
-                        yield DeltaChunk(out.new_token_ids, out.new_text, getattr(out, "logprobs", None) or None)
-                    if out.finished:
-                        if replica.kv_pull is not None:
-                            replica.kv_pull.observe(out)
-                        if replica.audit is not None:
-                            outcome(replica.audit, replica.replica_id, request.request_id, out.num_prompt_tokens,
-                                    out.num_cached_tokens, first_token_t)
-                        yield EndChunk(out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids))
+        async with contextlib.aclosing(batched) as outputs:
+            async for out in outputs:
+                if out is None:  # nothing new for a while: tell the gateway's stall guard we are here
+                    yield AliveChunk()
+                    continue
+                rec.output(out)
+                if out.new_token_ids or out.new_text:
+                    if first_token_t is None and replica.audit is not None:
+                        first_token_t = now()
+                    yield DeltaChunk(out.new_token_ids, out.new_text, getattr(out, "logprobs", None) or None)
+                if out.finished:
+                    if replica.kv_pull is not None:
+                        replica.kv_pull.observe(out)
+                    if replica.audit is not None:
+                        outcome(replica.audit, replica.replica_id, request.request_id, out.num_prompt_tokens,
+                                out.num_cached_tokens, first_token_t)
+                    yield EndChunk(out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids))
     except (InvalidRequestError, ValueError) as e:  # ValueError: vLLM's refusal (a TypeError is our bug: a 500)
         rec.done = True  # refused, never ran: not a finished request
         yield ErrorChunk(404 if isinstance(e, UnknownAdapterError) else 400, str(e))

@@ -13,35 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from replica.core.engine_types import RequestOutput
-
-
-class SendBudget:
-    """A replica's stream sends per second, shared by its open streams: each stream sends at
-    most once per `interval()`, the larger of the base interval and open streams / `sends_per_s`
-    (0: no cap). The first token of a stream still goes at once."""
-
-    def __init__(self, base_s: float, sends_per_s: float) -> None:
-        self.base_s = base_s
-        self.sends_per_s = sends_per_s
-        self.streams = 0
-
-    def interval(self) -> float:
-        if self.sends_per_s <= 0:
-            return self.base_s
-        return max(self.base_s, self.streams / self.sends_per_s)
-
-    @contextlib.contextmanager
-    def stream(self) -> Iterator[Callable[[], float]]:
-        """One open stream, counted while it lasts; yields its interval function."""
-        self.streams += 1
-        try:
-            yield self.interval
-        finally:
-            self.streams -= 1
 
 
 def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
@@ -57,10 +32,10 @@ def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
                    new_text="".join(o.new_text for o in outputs), logprobs=logprobs)
 
 
-async def batched_outputs(source: AsyncIterator[RequestOutput], interval_s: float | Callable[[], float],
+async def batched_outputs(source: AsyncIterator[RequestOutput], interval_s: float,
                           keepalive_s: float) -> AsyncIterator[RequestOutput | None]:
     """`source`'s outputs, coalesced as described above; None after each `keepalive_s` of
-    silence. `interval_s`: seconds, or a function read before each send (SendBudget.interval). An error of `source` is raised after the outputs that came before it. Closing this
+    silence. An error of `source` is raised after the outputs that came before it. Closing this
     generator cancels the reader and closes `source` (which aborts its request)."""
     loop = asyncio.get_running_loop()
     buffer: list[RequestOutput] = []
@@ -106,8 +81,7 @@ async def batched_outputs(source: AsyncIterator[RequestOutput], interval_s: floa
                     yield None
                 continue
             if buffer:
-                interval = interval_s() if callable(interval_s) else interval_s
-                wait = last_sent + interval - loop.time()
+                wait = last_sent + interval_s - loop.time()
                 if wait > 0 and not buffer[-1].finished and not ended:
                     await sleep(wait, any_output=False)  # let more tokens join this send
                 batch = buffer[:]

@@ -29,10 +29,6 @@ KEEPALIVE_S = 2.0
 # work on the way to the client whatever it holds; measured with `prefixgate bench serving`
 # (docs/benchmarks.md). 0: one chunk per engine output.
 STREAM_INTERVAL_S = 0.05
-# ... and at most this many sends per second per replica, shared by its open streams (each
-# stream's interval is then at least open streams / this): with many streams the chunks carry
-# more tokens rather than multiplying the gateway's fixed work per chunk. 0: no cap.
-STREAM_SENDS_PER_S = 400.0
 
 
 # How long a replica acting on a pull hint waits for the holder's K/V before it computes the
