@@ -95,6 +95,48 @@ def test_noisy_neighbour_tiers_reach_the_requests():
     assert "service_tier" not in completion_body("m", 4, 2, random.Random(0), parse_args([]).flood_tier)
 
 
+def test_noisy_neighbour_flood_client_reads_retry_after():
+    """A refused flood request is retried after the response's Retry-After (read here from a
+    real HTTP 429), unless `--flood-retry-s` says otherwise, as typed."""
+    import asyncio
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    from loadtest.bench.noisy_neighbour import parse_args, stream_completion
+
+    class Overloaded(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            body = json.dumps({"error": {"code": "server_overloaded", "message": "full"}}).encode()
+            self.send_response(429)
+            self.send_header("retry-after", "3")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Overloaded)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def once():
+        told: list[float] = []
+        async with httpx.AsyncClient(timeout=30) as http:
+            got = await stream_completion(http, f"http://127.0.0.1:{server.server_port}/v1/completions", "k", {}, None, told)
+        return got, told
+
+    try:
+        (ttft, tokens, code), told = asyncio.run(once())
+    finally:
+        server.shutdown()
+    assert (ttft, tokens, code, told) == (None, 0, "server_overloaded", [3.0])
+    assert parse_args([]).flood_retry_s is None and parse_args(["--flood-retry-s", "0.05"]).flood_retry_s == 0.05
+
+
 def test_noisy_neighbour_flood_client_runs_at_the_servers_niceness():
     """`--flood-nice N`: the flood's client process runs at niceness N (default Ray's workers'),
     the quiet client at 0. Empty windows (0 s): the processes start, report, and send nothing."""

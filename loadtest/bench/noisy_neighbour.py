@@ -75,14 +75,17 @@ class Row:
         return self.flood_together_tok_s / max(self.flood_alone_tok_s, 1e-9)
 
 
-async def stream_completion(http: httpx.AsyncClient, url: str, key: str, body: dict, first: list[float] | None = None
-                  ) -> tuple[float | None, int, str | None]:
+async def stream_completion(http: httpx.AsyncClient, url: str, key: str, body: dict, first: list[float] | None = None,
+                            retry_after: list[float] | None = None) -> tuple[float | None, int, str | None]:
     """(TTFT s, completion tokens from usage, refusal code) of one streaming completion; the
-    TTFT is also appended to `first` as soon as it is known."""
+    TTFT is also appended to `first` as soon as it is known, a refusal's Retry-After (seconds)
+    to `retry_after`."""
     start = time.perf_counter()
     ttft, tokens = None, 0
     async with http.stream("POST", url, json=body, headers={"authorization": f"Bearer {key}"}) as r:
         if r.status_code != 200:
+            if retry_after is not None and r.headers.get("retry-after", "").isdigit():
+                retry_after.append(float(r.headers["retry-after"]))
             data = await r.aread()
             try:
                 code = json.loads(data)["error"]["code"] or str(r.status_code)
@@ -113,10 +116,13 @@ def completion_body(model: str, prompt_tokens: int, max_tokens: int, rng: random
 
 async def window(base: str, model: str, seconds: float, quiet: bool, flood: tuple[int, int] | None,
                  flood_streams: int, quiet_prompt: int, quiet_max_tokens: int, think_s: float, seed: int,
-                 warmup_s: float = 10.0, flood_tier: str | None = None, quiet_tier: str | None = None) -> Window:
+                 warmup_s: float = 10.0, flood_tier: str | None = None, quiet_tier: str | None = None,
+                 flood_retry_s: float | None = None) -> Window:
     """One measured window of `seconds`, after `warmup_s` of the flood alone (its queue fills).
     Flood tokens: requests that completed inside the window. Quiet TTFTs: requests sent inside
-    it; one still without a token when the window ends counts its wait so far (a lower bound)."""
+    it; one still without a token when the window ends counts its wait so far (a lower bound).
+    A refused flood request is retried after the response's Retry-After, as OpenAI's SDK does
+    (`flood_retry_s`: after that many seconds instead, a client that ignores it)."""
     url = f"{base}/v1/completions"
     out = Window(seconds=seconds)
     rng = random.Random(seed)
@@ -129,12 +135,14 @@ async def window(base: str, model: str, seconds: float, quiet: bool, flood: tupl
 
         async def flood_loop() -> None:
             while time.perf_counter() < end:
-                _, tokens, code = await stream_completion(http, url, "sk-flood", completion_body(model, *flood, rng, flood_tier))
+                told: list[float] = []
+                _, tokens, code = await stream_completion(http, url, "sk-flood", completion_body(model, *flood, rng, flood_tier),
+                                                          retry_after=told)
                 done = time.perf_counter()
                 if code is not None:
                     if done >= begin:
                         out.refused[code] = out.refused.get(code, 0) + 1
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(told[0] if told and flood_retry_s is None else (flood_retry_s or 0.05))
                 elif begin <= done <= end:
                     out.flood_tokens += tokens
                     out.flood_requests += 1
@@ -175,7 +183,8 @@ def measure(args: argparse.Namespace, base: str, model: str, quiet: bool, flood:
     quiet tenant's TTFT is not measured on an event loop busy parsing the flood's events)."""
     common = dict(base=base, model=model, seconds=args.duration, flood_streams=args.flood_streams,
                   quiet_prompt=args.quiet_prompt, quiet_max_tokens=args.quiet_max_tokens, think_s=args.think_s,
-                  warmup_s=args.warmup_s if flood else 0.0, flood_tier=args.flood_tier, quiet_tier=args.quiet_tier)
+                  warmup_s=args.warmup_s if flood else 0.0, flood_tier=args.flood_tier, quiet_tier=args.quiet_tier,
+                  flood_retry_s=args.flood_retry_s)
     roles = []
     if flood:
         roles.append({**common, "quiet": False, "flood": list(flood), "seed": seed})
@@ -248,6 +257,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the flood's service_tier (e.g. flex; none sent: the key's default)")
     p.add_argument("--quiet-tier", choices=("auto", "default", "flex", "priority"),
                    help="the quiet tenant's service_tier (e.g. priority, for the priority target)")
+    p.add_argument("--flood-retry-s", type=float, default=None,
+                   help="a refused flood request is retried after this many seconds (default: the response's "
+                        "Retry-After, as OpenAI's SDK does; e.g. 0.05 for a client that ignores it)")
     p.add_argument("--think-s", type=float, default=0.1, help="quiet client's pause between requests")
     p.add_argument("--warmup-s", type=float, default=10.0, help="flood alone before a window is measured")
     p.add_argument("--settle-s", type=float, default=5.0, help="pause after a flood window (its cancelled requests end)")
