@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers.stack import MODEL, _replica_loads, chat, three_turn_session
+from tests.helpers.stack import MODEL, _replica_loads, chat, three_turn_session, wait_idle
 
 
 def test_three_turn_session_grows_cache_and_stays_home(stack):
@@ -143,32 +143,18 @@ def _generated(stack) -> int:
     return sum(int(ld.get("generated_tokens", 0)) for ld in _replica_loads(stack))
 
 
-def _wait_idle(stack, timeout_s: float = 60) -> list[dict]:
-    """Until both replicas report nothing running or waiting and no referenced block (the
-    deadline only guards against a hang)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = _replica_loads(stack)
-        busy = [ld for ld in loads if int(ld.get("running", 0)) or int(ld.get("waiting", 0))]
-        used = [int(ld["capacity_blocks"]) - int(ld["free_blocks"]) - int(ld["cached_blocks"]) for ld in loads]
-        if loads and not busy and not any(used):
-            return loads
-        assert time.monotonic() < deadline, f"request kept running after the client left: {loads}"
-        time.sleep(0.25)
-
-
 def test_client_disconnect_aborts_and_frees_blocks(stack):
     """The client leaves after 4 chunks of a greedy story that runs to max_tokens when left
     alone: generation stops early (far fewer tokens generated than the undisturbed run) and
     every block is released."""
     messages = [{"role": "user", "content": "Write a very long story about a dragon."}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 160, "temperature": 0}
-    _wait_idle(stack)
+    wait_idle(stack)
     r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     full = r.json()
     assert full["choices"][0]["finish_reason"] == "length"  # left alone, it runs all 160 tokens
-    _wait_idle(stack)
+    wait_idle(stack)
     before = _generated(stack)
     with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
         seen = 0
@@ -179,7 +165,7 @@ def test_client_disconnect_aborts_and_frees_blocks(stack):
                 break  # the client goes away mid-stream
     # idle in a heartbeat that already counts this request's tokens (one snapshot: final counts)
     deadline = time.monotonic() + 60
-    while not (_generated(stack) > before and _wait_idle(stack)):
+    while not (_generated(stack) > before and wait_idle(stack)):
         assert time.monotonic() < deadline, "no heartbeat counted the request"
         time.sleep(0.25)
     generated = _generated(stack) - before

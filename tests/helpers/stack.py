@@ -4,6 +4,7 @@ requests, the replicas' heartbeats, a second Serve app, the three-turn session c
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 
 import httpx
@@ -49,6 +50,20 @@ def _replica_loads(stack) -> list[dict]:
     prefix = stack.config.key_prefix
     beats = [client.hgetall(RedisKeys(prefix).heartbeat(rid)) for rid in client.smembers(RedisKeys(prefix).replicas)]
     return [hb for hb in beats if hb]  # a killed replica's id lingers until garbage collection; its beat is gone
+
+
+def wait_idle(stack, timeout_s: float = 60) -> list[dict]:
+    """Until every replica's heartbeat reports nothing running or waiting and no referenced block
+    (the deadline only guards against a hang): routing and abort tests start from equal loads."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = _replica_loads(stack)
+        busy = [ld for ld in loads if int(ld.get("running", 0)) or int(ld.get("waiting", 0))]
+        used = [int(ld["capacity_blocks"]) - int(ld["free_blocks"]) - int(ld["cached_blocks"]) for ld in loads]
+        if loads and not busy and not any(used):
+            return loads
+        assert time.monotonic() < deadline, f"replicas stayed busy: {loads}"
+        time.sleep(0.25)
 
 
 @contextlib.contextmanager
