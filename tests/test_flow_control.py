@@ -253,6 +253,27 @@ def test_a_tenants_only_request_goes_first_in_the_replica_too():
     assert replica_priority("priority", True) < replica_priority("default", False) < replica_priority("flex", False)
 
 
+def test_a_tenant_under_its_share_is_not_crowded_by_its_own_open_request():
+    """A client's next request can arrive while the gateway has not yet closed its last one (it
+    closes on the next turn of its loop): one open seat beside a flood's many is under the
+    tenant's share, so the new request still goes ahead of the flood's in the replica."""
+    async def run():
+        flow = _controller(seats=16, enabled=False)
+        flood = [Ticket("default", "flood", 100, 1, 50) for _ in range(6)]
+        for t in flood:
+            await flow.acquire(t)
+        last, nxt = Ticket("default", "quiet", 10, 1, 5), Ticket("default", "quiet", 10, 1, 5)
+        await flow.acquire(last)  # still open when its successor arrives
+        await flow.acquire(nxt)
+        more = Ticket("default", "flood", 100, 1, 50)
+        await flow.acquire(more)
+        return last, nxt, more
+
+    last, nxt, more = asyncio.run(run())
+    assert not last.crowded and not nxt.crowded  # 1 seat of 7 in flight, share 3.5
+    assert more.crowded  # 6 of 8, share 4
+
+
 def test_unstarted_prompt_tokens_hold_requests_until_started():
     async def run():
         flow = FlowController(Capacity(10, 1000, 2, 0.0), 10, {"priority": 60, "default": 60, "flex": 60}, replicas=1)

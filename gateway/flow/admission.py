@@ -41,7 +41,7 @@ class Ticket:
     tokens: int  # prompt tokens (pending prefill until its first token)
     arrival: float = field(default_factory=time.monotonic)
     sent: bool = False
-    crowded: bool = False  # sent while its tenant had others in flight (flow/tiers.py replica_priority)
+    crowded: bool = False  # sent while its tenant held its share of the seats or more (flow/tiers.py replica_priority)
     started_: bool = False
     done_: bool = False
 
@@ -130,13 +130,29 @@ class FlowController:
 
     def _send(self, ticket: Ticket) -> None:
         ticket.sent = True
-        ticket.crowded = ticket.flow is not None and self.ledger.flow(ticket.flow)[0] > 0  # anonymous: one flow
+        ticket.crowded = self._over_share(ticket.flow)
         self.ledger.in_flight += ticket.n
         self.ledger.unstarted_tokens += ticket.tokens
         self.ledger.unstarted += 1
         self.ledger.add(ticket.flow, ticket.n, 1)
         self.sent += 1
         m.QUEUE_WAIT.labels(self.model, ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
+
+    def _over_share(self, flow: Flow) -> bool:
+        """Whether `flow` already holds at least its weighted share of this gateway's seats in
+        flight (shared among the tenants holding any). Its request then goes behind the other
+        tenants' in the replica's queue (flow/tiers.py replica_priority). Not "any seat held": a
+        tenant's last request is still open for a moment after its client read the end of it
+        (the gateway closes it on the next turn of its loop), and a client's next request that
+        arrived in that moment went behind a whole flood. Anonymous requests are one flow: FIFO."""
+        if flow is None:
+            return False
+        seats = self.ledger.flow(flow)[0]
+        if not seats:
+            return False
+        holders = [f for f, (held, _) in self.ledger.by_flow.items() if held > 0]
+        weights = sum(self.queue.weight(f) for f in holders)
+        return seats >= self.ledger.in_flight * self.queue.weight(flow) / max(weights, 1e-9)
 
     def _pump(self) -> None:
         """Send queued requests, best first, while there is room (never past the head: a big
