@@ -65,6 +65,10 @@ class Row:
     flood_alone_tok_s: float
     flood_together_tok_s: float
     refused_together: dict[str, int]
+    # every quiet TTFT of both windows in the order sent (the JSON's; a p99 of a few dozen is
+    # nearly their maximum, so where the slow ones fall says what they waited for)
+    quiet_alone_ttft_ms: list[float] = field(default_factory=list)
+    quiet_together_ttft_ms: list[float] = field(default_factory=list)
 
     @property
     def ttft_ratio(self) -> float:
@@ -224,7 +228,8 @@ def run_mode(args: argparse.Namespace, stack: LocalStack, model: str, mode: str)
                   percentile(alone.quiet_ttft_ms, 50) or 0.0, percentile(alone.quiet_ttft_ms, 99) or 0.0,
                   percentile(together.quiet_ttft_ms, 50) or 0.0, percentile(together.quiet_ttft_ms, 99) or 0.0,
                   flood_alone.flood_tokens / flood_alone.seconds, together.flood_tokens / together.seconds,
-                  together.refused)
+                  together.refused, [round(t, 1) for t in alone.quiet_ttft_ms],
+                  [round(t, 1) for t in together.quiet_ttft_ms])
         print(format_rows([row], header=not rows and mode == args.modes[0]), flush=True)
         rows.append(row)
     return rows
