@@ -185,6 +185,10 @@ def test_has_room_from_the_ledger_and_the_heartbeats():
     assert not has_room(ledger(8, 0, 0), 1, 10, None, roomy, 2, "f")
     assert has_room(ledger(8, 0, 0), 1, 10, None, roomy, 2, "quiet")
     assert not has_room(ledger(10, 0, 0), 1, 10, None, roomy, 2, "quiet")
+    # its last request still open beside the flood's seven: within its share, the headroom is its
+    beside = Ledger(8, 0, 0, {"f": [7, 0], "quiet": [1, 0]})
+    assert has_room(beside, 1, 10, None, roomy, 2, "quiet") and not has_room(beside, 1, 10, None, roomy, 2, "f")
+    assert not has_room(beside, 1, 10, None, roomy, 2, "quiet", weight=lambda f: 10.0 if f == "f" else 0.1)
 
 
 # ---- the admission controller -------------------------------------------------------------------

@@ -41,7 +41,7 @@ class Ticket:
     tokens: int  # prompt tokens (pending prefill until its first token)
     arrival: float = field(default_factory=time.monotonic)
     sent: bool = False
-    crowded: bool = False  # sent while its tenant held its share of the seats or more (flow/tiers.py replica_priority)
+    crowded: bool = False  # sent while its tenant held its share of the seats or more (Ledger.over_share, tiers.replica_priority)
     started_: bool = False
     done_: bool = False
 
@@ -126,33 +126,19 @@ class FlowController:
         if not self.enabled:
             return self.ledger.in_flight + ticket.n <= self.capacity.max_in_flight
         loads = self.reader.loads() if self.reader is not None else None
-        return has_room(self.ledger, ticket.n, ticket.tokens, loads, self.capacity, self.replicas, ticket.flow)
+        return has_room(self.ledger, ticket.n, ticket.tokens, loads, self.capacity, self.replicas, ticket.flow,
+                        self.queue.weight)
 
     def _send(self, ticket: Ticket) -> None:
         ticket.sent = True
-        ticket.crowded = self._over_share(ticket.flow)
+        # anonymous requests are one flow: FIFO in the replica
+        ticket.crowded = ticket.flow is not None and self.ledger.over_share(ticket.flow, self.queue.weight)
         self.ledger.in_flight += ticket.n
         self.ledger.unstarted_tokens += ticket.tokens
         self.ledger.unstarted += 1
         self.ledger.add(ticket.flow, ticket.n, 1)
         self.sent += 1
         m.QUEUE_WAIT.labels(self.model, ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
-
-    def _over_share(self, flow: Flow) -> bool:
-        """Whether `flow` already holds at least its weighted share of this gateway's seats in
-        flight (shared among the tenants holding any). Its request then goes behind the other
-        tenants' in the replica's queue (flow/tiers.py replica_priority). Not "any seat held": a
-        tenant's last request is still open for a moment after its client read the end of it
-        (the gateway closes it on the next turn of its loop), and a client's next request that
-        arrived in that moment went behind a whole flood. Anonymous requests are one flow: FIFO."""
-        if flow is None:
-            return False
-        seats = self.ledger.flow(flow)[0]
-        if not seats:
-            return False
-        holders = [f for f, (held, _) in self.ledger.by_flow.items() if held > 0]
-        weights = sum(self.queue.weight(f) for f in holders)
-        return seats >= self.ledger.in_flight * self.queue.weight(flow) / max(weights, 1e-9)
 
     def _pump(self) -> None:
         """Send queued requests, best first, while there is room (never past the head: a big

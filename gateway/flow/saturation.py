@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.protocol.redis_schema import LOAD_FIELDS, RedisKeys, parse_heartbeat
@@ -35,7 +36,7 @@ class Capacity:
     max_waiting: int  # per replica: requests in a replica's own queue at which it is full
     kv_free_min: float  # per replica: below this fraction of free K/V blocks it is full
     shared: bool = False  # other gateways send to these replicas too: their queues count
-    headroom: int = 0  # seats past max_in_flight for tenants with nothing in flight (a fair-share floor)
+    headroom: int = 0  # seats past max_in_flight for tenants within their share (a fair-share floor: Ledger.over_share)
 
 
 @dataclass
@@ -49,6 +50,19 @@ class Ledger:
         """(seats in flight, requests not started) of one tenant."""
         seats, unstarted = self.by_flow.get(flow, (0, 0))
         return seats, unstarted
+
+    def over_share(self, flow, weight: Callable[[object], float] | None = None) -> bool:
+        """Whether `flow` holds at least its weighted share of the seats in flight, the seats
+        divided among the tenants holding any (`weight`: a tenant's weight, 1 when None). Not
+        "holds any seat": a tenant's last request stays open for a moment after its client read
+        the end of it (the gateway closes it on a later turn of its loop), and the client's next
+        request then looked like a flood's."""
+        seats = self.flow(flow)[0]
+        if not seats:
+            return False
+        w = weight or (lambda _flow: 1.0)
+        total = sum(w(f) for f, (held, _) in self.by_flow.items() if held > 0)
+        return seats >= self.in_flight * w(flow) / max(total, 1e-9)
 
     def add(self, flow, seats: int, unstarted: int) -> None:
         mine = self.by_flow.setdefault(flow, [0, 0])
@@ -87,13 +101,13 @@ PIPELINE = 2  # unstarted requests per replica that always go: one computing, on
 
 
 def has_room(ledger: Ledger, n: int, tokens: int, loads: list[dict[str, int]] | None, cap: Capacity,
-             replicas: int, flow=None) -> bool:
+             replicas: int, flow=None, weight: Callable[[object], float] | None = None) -> bool:
     """Whether a request of tenant `flow`, `n` streams and `tokens` prompt tokens may be sent now."""
     if ledger.in_flight == 0:
         return True
-    seats, unstarted = ledger.flow(flow)
-    if ledger.in_flight + n > cap.max_in_flight + (cap.headroom if not seats else 0):
-        return False  # a tenant with nothing in flight may use the headroom: it never waits for a flood's seats
+    _, unstarted = ledger.flow(flow)
+    if ledger.in_flight + n > cap.max_in_flight + (0 if ledger.over_share(flow, weight) else cap.headroom):
+        return False  # a tenant within its share may use the headroom: it never waits for a flood's seats
     live = max(len(loads) if loads else replicas, 1)
     # pending prefill: within the budget, or fewer than PIPELINE unstarted requests per replica (a
     # prompt longer than a replica's budget still goes, and the next is there when it starts, so

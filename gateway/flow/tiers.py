@@ -15,8 +15,8 @@ ACCEPTED = ("auto", "default", "flex", "priority")  # what a request may name
 def replica_priority(tier: str, crowded: bool = False) -> int:
     """The request's vLLM integer priority for the replica's scheduler (lower first): its tier
     first (priority -2/-1, default 0/1, flex 2/3), then whether its tenant already held its
-    share of the gateway's seats in flight when it was sent (`crowded`: admission.py
-    `_over_share`). A tenant within its share so goes ahead, in the replica's queue, of a
+    share of the gateway's seats in flight when it was sent (`crowded`: saturation.py
+    `Ledger.over_share`). A tenant within its share so goes ahead, in the replica's queue, of a
     flooding tenant's requests of the same tier, which the gateway alone cannot order once they
     have been sent."""
     return 2 * (RANK[tier] - RANK["default"]) + int(crowded)
