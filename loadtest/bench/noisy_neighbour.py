@@ -10,8 +10,10 @@ compute), two API keys (tenants `flood` and `quiet`). For each flood shape and e
   together      both at once
 
 Reported: the quiet tenant's TTFT p50/p99 (first content event), the flood's output tokens/s
-(counted from `usage` of the requests completed in the window, not from SSE events), and
-refusals. Targets: quiet TTFT p99 together <= 2x alone; flood tokens/s together >=
+(counted from `usage` of the requests completed in the window, not from SSE events), the
+quiet requests each window measured (`quiet n`: beside a flood of long prompts a quiet request
+decodes at the flood's step time, so a 20-s window holds a dozen, and their p99 is their
+maximum; the JSON lists them all), and refusals. Targets: quiet TTFT p99 together <= 2x alone; flood tokens/s together >=
 90% of alone. With `--flood-tier flex --quiet-tier priority` the same run measures the priority
 target: priority requests' TTFT p99 under a flex flood <= 1.5x alone.
 
@@ -237,12 +239,13 @@ def run_mode(args: argparse.Namespace, stack: LocalStack, model: str, mode: str)
 
 def format_rows(rows: list[Row], header: bool = True) -> str:
     head = (f"{'mode':<5} {'flood shape':<13} {'quiet p50/p99 alone':>20} {'quiet p50/p99 flood':>20} {'p99 x':>6} "
-            f"{'flood tok/s alone':>17} {'with quiet':>10} {'tok %':>6}  refused")
+            f"{'flood tok/s alone':>17} {'with quiet':>10} {'tok %':>6} {'quiet n':>9}  refused")
     lines = [head] if header else []
     for r in rows:
         lines.append(f"{r.mode:<5} {r.shape:<13} {r.quiet_alone_p50_ms:>8.0f}/{r.quiet_alone_p99_ms:>6.0f} ms "
                      f"{r.quiet_together_p50_ms:>8.0f}/{r.quiet_together_p99_ms:>6.0f} ms {r.ttft_ratio:>5.1f}x "
-                     f"{r.flood_alone_tok_s:>17.0f} {r.flood_together_tok_s:>10.0f} {r.tok_ratio:>6.0%}  "
+                     f"{r.flood_alone_tok_s:>17.0f} {r.flood_together_tok_s:>10.0f} {r.tok_ratio:>6.0%} "
+                     f"{len(r.quiet_alone_ttft_ms):>4}/{len(r.quiet_together_ttft_ms):<4}  "
                      f"{r.refused_together or '-'}")
     return "\n".join(lines)
 
