@@ -14,7 +14,13 @@ import pytest
 from prometheus_client import REGISTRY
 
 from gateway.errors import APIError
-from gateway.flow.admission import FlowController, Ticket
+from gateway.flow.admission import (
+    DRAIN_WINDOW_S,
+    RETRY_AFTER_MAX_S,
+    FlowController,
+    Ticket,
+    retry_after_s,
+)
 from gateway.flow.fair_queue import Entry, FairQueue
 from gateway.flow.keys import KeySpec, parse_keys
 from gateway.flow.rate_limit import LocalBuckets, duration, verdict
@@ -305,11 +311,22 @@ def test_full_queue_refuses_with_429_and_retry_after():
         before = _shed("queue_full")
         with pytest.raises(APIError) as e:  # full: the arriving flex request is the lowest band's, refused
             await flow.acquire(Ticket("flex", "b", 10, 1, 10))
-        assert e.value.status == 429 and e.value.headers["Retry-After"] and e.value.code == "server_overloaded"
+        assert e.value.status == 429 and int(e.value.headers["Retry-After"]) >= 1 and e.value.code == "server_overloaded"
         assert _shed("queue_full") == before + 1 and _shed("queue_full", "a") == 0  # b's, not a's
         queued.cancel()
 
     asyncio.run(run())
+
+
+def test_retry_after_estimates_when_the_queue_reaches_the_request():
+    steady = [i * 0.1 for i in range(31)]  # 10 sends a second for 3 s
+    assert retry_after_s(25, steady, 3.0) == 3  # 25 ahead at 10/s
+    assert retry_after_s(0, steady, 3.0) == 1  # nothing ahead
+    assert retry_after_s(10_000, steady, 3.0) == RETRY_AFTER_MAX_S
+    assert retry_after_s(5, [], 3.0) == 1 and retry_after_s(5, [2.0], 3.0) == 1  # no rate measured
+    stalled = [i * 0.1 for i in range(11)]  # 10/s for a second, then nothing for 20 s
+    assert retry_after_s(5, stalled, 21.0) == 11  # 10 sends over 21 s
+    assert retry_after_s(5, stalled, 1.0 + DRAIN_WINDOW_S + 1) == 1  # all older than the window
 
 
 def test_a_request_past_its_tiers_maximum_wait_gets_429():

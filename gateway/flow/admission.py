@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +32,21 @@ from gateway.flow.tiers import RANK, TIERS
 log = logging.getLogger("prefixgate.flow")
 TICK_S = 0.05  # while requests wait: expiry and heartbeat changes are looked at this often
 IDLE_S = 1.0  # otherwise: gauges re-set this often (Ray drops a gauge value not refreshed)
+DRAIN_WINDOW_S = 30.0  # the queue's drain rate is measured over the sends of this long
+RETRY_AFTER_MAX_S = 60  # the longest Retry-After a queue refusal names
+
+
+def retry_after_s(ahead: int, sends: list[float], now: float) -> int:
+    """Whole seconds until a request sent now would likely leave the queue: the `ahead` requests
+    it would queue behind, at the rate the queue sent requests over the last DRAIN_WINDOW_S
+    (`sends`: their monotonic times, oldest first; a queue that stopped sending drains slower the
+    longer it has been stopped). 1 at least, RETRY_AFTER_MAX_S at most; 1 with nothing queued
+    ahead or too few recent sends to measure a rate."""
+    recent = [t for t in sends if now - t <= DRAIN_WINDOW_S]
+    if ahead <= 0 or len(recent) < 2 or recent[-1] <= recent[0]:
+        return 1
+    rate = (len(recent) - 1) / max(now - recent[0], recent[-1] - recent[0])
+    return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead / rate)))
 
 
 @dataclass(eq=False)
@@ -63,6 +80,7 @@ class FlowController:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self.sent = 0
+        self._sends: deque[float] = deque(maxlen=256)  # recent send times: the drain rate for Retry-After
         self.model = model  # the served model whose queue this is (its metrics' model_name)
 
     # ---- the request's side ------------------------------------------------------------------
@@ -138,6 +156,7 @@ class FlowController:
         self.ledger.unstarted += 1
         self.ledger.add(ticket.flow, ticket.n, 1)
         self.sent += 1
+        self._sends.append(time.monotonic())
         m.QUEUE_WAIT.labels(self.model, ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
 
     def _pump(self) -> None:
@@ -165,18 +184,25 @@ class FlowController:
         if reason == "max_wait" or reason == "shutdown":
             m.QUEUE_WAIT.labels(self.model, ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
 
+    def retry_after(self, tier: str) -> int:
+        """Retry-After of a queue refusal: when a `tier` request sent now would likely leave the
+        queue (those of its tier and better queued now, at the queue's recent drain rate)."""
+        ahead = sum(n for (rank, _), n in self.queue.depths().items() if rank <= RANK[tier])
+        return retry_after_s(ahead, list(self._sends), time.monotonic())
+
     def _refusal(self, reason: str, ticket: Ticket) -> APIError:
         self._count(reason, ticket)
         if reason == "shutdown":
             return APIError(503, "this gateway is shutting down; retry", "server_error", code="server_shutting_down",
                             headers={"Retry-After": "1"})
+        retry = {"Retry-After": str(self.retry_after(ticket.tier))}
         if reason == "max_wait":
             waited = time.monotonic() - ticket.arrival
             return APIError(429, f"the replicas stayed saturated for {waited:.1f} s, this request's maximum wait "
                             f"in the {ticket.tier} tier; retry later", "rate_limit_error", code="server_overloaded",
-                            headers={"Retry-After": "1"})
+                            headers=retry)
         return APIError(429, "replicas are saturated and the queue is full; retry shortly", "rate_limit_error",
-                        code="server_overloaded", headers={"Retry-After": "1"})
+                        code="server_overloaded", headers=retry)
 
     def _count(self, reason: str, ticket: Ticket) -> None:
         m.SHED.labels(self.model, reason, self._label(ticket.flow)).inc()
