@@ -21,6 +21,23 @@ log = logging.getLogger("prefixgate.stack")
 APP_NAME = "prefixgate"
 
 
+def require_redis(url: str, timeout_s: float = 5.0) -> None:
+    """A stack pointed at a Redis that does not answer would run without its index: every route
+    `stale`, no heartbeats for flow control, nothing published. Say so before starting it."""
+    import redis
+
+    from router.index.redis_index import redact
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise RuntimeError(f"no Redis answers at {redact(url)} ({e}): start one there, or set redis_url to "
+                           "'auto' for one the stack starts itself") from None
+    finally:
+        client.close()
+
+
 class LocalStack:
     def __init__(self, config: AppConfig, port: int = 8000, host: str = "127.0.0.1", ray_address: str | None = None,
                  metrics_port: int | None = None, ingress: str = DEFAULT_INGRESS) -> None:
@@ -46,6 +63,8 @@ class LocalStack:
             self.redis = LocalRedis()  # kept before it starts: a stop during start-up stops it too
             self.redis.start()
             self.config.redis_url = self.redis.url
+        else:
+            require_redis(self.config.redis_url)
         if not ray.is_initialized():
             with keep_handlers():  # ray.init installs its own SIGTERM handler (gateway/shutdown.py)
                 if self.ray_address:

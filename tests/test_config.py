@@ -271,3 +271,16 @@ models:
                       ({"models": [{"name": "a", "engine": "torch"}]}, "unknown engine")]:
         with pytest.raises(ValueError, match=says):
             AppConfig.from_dict(bad)
+
+
+def test_a_stack_pointed_at_a_silent_redis_refuses_to_start():
+    """A redis_url nobody answers is an error before anything starts, not a stack whose every
+    route is `stale` and whose flow control sees no heartbeats ('auto': the stack's own Redis)."""
+    from gateway.local_redis import free_port
+    from gateway.stack import LocalStack
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    stack = LocalStack(AppConfig(engine="sim", redis_url=url), port=free_port())
+    with pytest.raises(RuntimeError, match=f"no Redis answers at {url}"):
+        stack.start(timeout_s=5)
+    assert stack.redis is None

@@ -296,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parse_args(argv)
     overrides = config_overrides(args)
+    # a Redis of its own ('auto'): AppConfig's default names a deployment's, and a stack
+    # without one routes every request `stale` and runs flow control without heartbeats
     base = dict(engine=args.engine, replicas=args.replicas, api_keys=dict(KEYS), max_model_len=4096,
-                default_max_tokens=64, **overrides)
+                default_max_tokens=64, **{"redis_url": "auto", **overrides})
     if args.engine == "sim":
         base.setdefault("num_blocks", 4096)
     stack = LocalStack(AppConfig(flow_control=args.modes[0] == "on", **base), port=args.port, ingress=args.ingress)

@@ -152,8 +152,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = config_overrides(args)
+    # a Redis of its own ('auto'): AppConfig's default names a deployment's, and a stack
+    # without one routes every request `stale` and runs flow control without heartbeats
     config = dict(engine=args.engine, replicas=args.replicas, max_model_len=4096, queue_wait_default_s=args.queue_wait_s,
-                  **overrides)
+                  **{"redis_url": "auto", **overrides})
     if args.engine == "sim":
         config.setdefault("num_blocks", 4096)
     stack = LocalStack(AppConfig(**config), port=args.port, ingress=args.ingress)

@@ -155,9 +155,11 @@ def _in_own_process(argv: list[str], ingress: str) -> list[Level]:
 def run(args: argparse.Namespace, ingress: str) -> list[Level]:
     overrides = config_overrides(args)
     peak = max(args.streams)
+    # a Redis of its own ('auto'): AppConfig's default names a deployment's, and a stack
+    # without one routes every request `stale` and runs flow control without heartbeats
     config = AppConfig(engine="sim", replicas=args.replicas, gateways=args.gateways, sim_service=dict(NEAR_ZERO_SERVICE),
                        max_num_seqs=peak, max_ongoing_requests=peak, max_queued_requests=peak, max_model_len=8192,
-                       **overrides)
+                       **{"redis_url": "auto", **overrides})
     stack = LocalStack(config, port=args.port, ingress=ingress)
     levels: list[Level] = []
     try:
