@@ -156,8 +156,9 @@ class FlowController:
         self.ledger.unstarted += 1
         self.ledger.add(ticket.flow, ticket.n, 1)
         self.sent += 1
-        self._sends.append(time.monotonic())
-        m.QUEUE_WAIT.labels(self.model, ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
+        now = time.monotonic()
+        self._sends.append(now)
+        m.QUEUE_WAIT.labels(self.model, ticket.tier, self._label(ticket.flow)).observe(now - ticket.arrival)
 
     def _pump(self) -> None:
         """Send queued requests, best first, while there is room (never past the head: a big
