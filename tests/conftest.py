@@ -165,8 +165,9 @@ def redis_server():
 
 
 @pytest.fixture(scope="session")
-def stack(redis_server):
-    """The real stack: local Ray, Serve, 2 replicas of the default model, router, gateway."""
+def stack(redis_server, tmp_path_factory):
+    """The real stack: local Ray, Serve, 2 replicas of the default model, router, gateway; its
+    routers record their decisions (the live audit) so a routing test can read what each saw."""
     import uuid
 
     from gateway.config import AppConfig
@@ -181,6 +182,7 @@ def stack(redis_server):
         # as every other live app of the suite: a loaded CI machine must not turn index lookups into
         # `stale` decisions (a stopped Redis still fails at once: connection refused)
         redis_timeout_s=1.0,
+        audit_dir=str(tmp_path_factory.mktemp("audit")),  # tests/test_router_e2e.py reads the decisions
     )
     s = LocalStack(config, port=free_port(), metrics_port=free_port()).start()  # metrics: tests/test_metrics.py
     _STACKS.append(s)

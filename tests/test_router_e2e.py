@@ -8,6 +8,7 @@ import uuid
 
 import httpx
 
+from router.protocol.audit_log import Decision, read_dir
 from router.protocol.redis_schema import RedisKeys
 from tests.helpers.stack import MODEL, chat, wait_idle
 
@@ -24,6 +25,11 @@ def _ask(stack, question, session, system=LONG_SYSTEM):
     return r
 
 
+def _decisions(stack) -> list[Decision]:
+    """Every decision the stack's routers recorded so far (the live audit, tests/conftest.py)."""
+    return [r for r in read_dir(stack.config.audit_dir) if isinstance(r, Decision)]
+
+
 def test_new_session_with_known_system_prompt_goes_where_the_prefix_is(stack):
     tag = uuid.uuid4().hex[:6]
     system = f"Orders {tag}. " + LONG_SYSTEM  # a prefix no other test has cached anywhere
@@ -38,14 +44,30 @@ def test_new_session_with_known_system_prompt_goes_where_the_prefix_is(stack):
     while client.scard(keys.blocks(home)) <= held.get(home.encode(), 0):
         assert time.monotonic() < deadline, "the first request's blocks never reached the index"
         time.sleep(0.1)
-    for i in range(3):
-        # equal loads, so the prefix alone decides: a heartbeat that still counts the previous
-        # request (or an earlier test's) prices the holder's queue above a pull to the other one
+    # With equal loads the prefix alone decides. The router reads loads from its own copy of the
+    # heartbeats and Ray's count of requests it sent: either may still count the previous request
+    # after the heartbeats in Redis say idle. So each decision's inputs are read back from the
+    # audit, and only those that saw every replica idle are held to the rule (three of them).
+    judged, tried = [], []
+    for i in range(12):
+        if len(judged) == 3:
+            break
         wait_idle(stack)
+        before = len(_decisions(stack))
         r = _ask(stack, f"How do I return item {i} of {tag}?", f"b{i}-{tag}", system)
-        assert r.headers["x-prefixgate-replica"] == home, (i, r.headers["x-prefixgate-route"])
+        mine = _decisions(stack)[before:]
+        assert len(mine) == 1, mine  # nothing else uses the stack meanwhile
+        d = mine[0]
+        tried.append((d.reason, d.loads, d.seen, d.costs))
+        assert d.replica == r.headers["x-prefixgate-replica"] and d.reason == r.headers["x-prefixgate-route"]
+        if any(any(load) for load in d.loads.values()):
+            continue
+        assert d.seen.get(home, 0) > 0, d  # the index answered with the first request's blocks
+        assert r.headers["x-prefixgate-replica"] == home, (i, d)
         assert r.headers["x-prefixgate-route"] == "prefix"
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+        judged.append(i)
+    assert len(judged) == 3, tried  # the router saw idle replicas at least three times in twelve
 
 
 def test_saturated_replica_spreads_load(stack):
