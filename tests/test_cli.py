@@ -137,6 +137,52 @@ def test_noisy_neighbour_flood_client_reads_retry_after():
     assert parse_args([]).flood_retry_s is None and parse_args(["--flood-retry-s", "0.05"]).flood_retry_s == 0.05
 
 
+def test_noisy_neighbour_counts_a_quiet_request_still_decoding_at_the_window_end_once():
+    """A quiet request that has its first token but is still streaming when the window ends is
+    counted once, with its TTFT (it was also counted as censored, with its time so far: a false
+    late request in every window); one with no token yet is counted once, censored. A real
+    HTTP server streams the first token, or nothing, then holds the stream open past the window."""
+    import asyncio
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from loadtest.bench.noisy_neighbour import window
+
+    release = threading.Event()
+    first_token = {"on": True}
+
+    class Held(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.end_headers()
+            if first_token["on"]:
+                event = {"choices": [{"index": 0, "text": "Hi"}]}
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+            release.wait(60)  # held open past the window's end
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Held)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    spec = dict(base=f"http://127.0.0.1:{server.server_port}", model="m", seconds=1.0, quiet=True, flood=None,
+                flood_streams=0, quiet_prompt=4, quiet_max_tokens=2, think_s=0.0, seed=0, warmup_s=0.0)
+    try:
+        decoding = asyncio.run(window(**spec))
+        first_token["on"] = False
+        silent = asyncio.run(window(**spec))
+    finally:
+        release.set()
+        server.shutdown()
+    assert len(decoding.quiet_ttft_ms) == len(decoding.quiet_sent_s) == 1, decoding
+    assert len(silent.quiet_ttft_ms) == len(silent.quiet_sent_s) == 1, silent
+    assert decoding.quiet_ttft_ms[0] < silent.quiet_ttft_ms[0]  # its first token, not the window's end
+
+
 def test_noisy_neighbour_flood_client_runs_at_the_servers_niceness():
     """`--flood-nice N`: the flood's client process runs at niceness N (default Ray's workers'),
     the quiet client at 0. Empty windows (0 s): the processes start, report, and send nothing."""

@@ -48,6 +48,7 @@ SHAPES = {"long-prompts": (1500, 32), "long-outputs": (200, 256)}
 @dataclass
 class Window:
     quiet_ttft_ms: list[float] = field(default_factory=list)
+    quiet_sent_s: list[float] = field(default_factory=list)  # when each was sent, seconds after the flood began
     flood_tokens: int = 0
     flood_requests: int = 0
     refused: dict[str, int] = field(default_factory=dict)
@@ -71,6 +72,7 @@ class Row:
     # nearly their maximum, so where the slow ones fall says what they waited for)
     quiet_alone_ttft_ms: list[float] = field(default_factory=list)
     quiet_together_ttft_ms: list[float] = field(default_factory=list)
+    quiet_together_sent_s: list[float] = field(default_factory=list)  # each one's send time, s after the flood began
 
     @property
     def ttft_ratio(self) -> float:
@@ -137,7 +139,8 @@ async def window(base: str, model: str, seconds: float, quiet: bool, flood: tupl
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
         t0 = time.perf_counter()
         begin, end = t0 + warmup, t0 + warmup + seconds
-        pending: dict[int, float] = {}  # quiet requests without a first token yet: id -> sent at
+        # quiet requests not finished: id -> (sent at, its first-token list, filled when it arrives)
+        pending: dict[int, tuple[float, list[float]]] = {}
 
         async def flood_loop() -> None:
             while time.perf_counter() < end:
@@ -158,14 +161,15 @@ async def window(base: str, model: str, seconds: float, quiet: bool, flood: tupl
             n = 0
             while time.perf_counter() < end:
                 n += 1
-                pending[n] = time.perf_counter()
-                first: list[float] = []
+                sent, first = time.perf_counter(), []
+                pending[n] = (sent, first)
                 try:
                     _, _, code = await stream_completion(http, url, "sk-quiet", completion_body(model, quiet_prompt, quiet_max_tokens, rng, quiet_tier), first)
                 finally:
                     if first:
                         pending.pop(n, None)
                         out.quiet_ttft_ms.append(first[0] * 1000)
+                        out.quiet_sent_s.append(round(sent - t0, 2))
                 if code is not None:
                     pending.pop(n, None)
                     out.refused["quiet:" + code] = out.refused.get("quiet:" + code, 0) + 1
@@ -176,7 +180,11 @@ async def window(base: str, model: str, seconds: float, quiet: bool, flood: tupl
             tasks.append(asyncio.create_task(quiet_loop()))
         await asyncio.sleep(max(0.0, end - time.perf_counter()))
         now = time.perf_counter()
-        out.quiet_ttft_ms += [(now - sent) * 1000 for sent in pending.values()]  # censored: still waiting
+        # censored: still without a first token (one that has it, still decoding, records its
+        # own TTFT when cancelled; counting its time so far too would add a false late request)
+        waiting = [sent for sent, first in pending.values() if not first]
+        out.quiet_ttft_ms += [(now - sent) * 1000 for sent in waiting]
+        out.quiet_sent_s += [round(sent - t0, 2) for sent in waiting]
         for t in tasks:  # requests still running at the window's end are not counted
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -208,6 +216,7 @@ def measure(args: argparse.Namespace, base: str, model: str, quiet: bool, flood:
             raise RuntimeError(f"a client process failed ({proc.returncode})")
         part = Window(**json.loads(stdout))
         out.quiet_ttft_ms += part.quiet_ttft_ms
+        out.quiet_sent_s += part.quiet_sent_s
         out.flood_tokens += part.flood_tokens
         out.flood_requests += part.flood_requests
         for k, v in part.refused.items():
@@ -231,7 +240,7 @@ def run_mode(args: argparse.Namespace, stack: LocalStack, model: str, mode: str)
                   percentile(together.quiet_ttft_ms, 50) or 0.0, percentile(together.quiet_ttft_ms, 99) or 0.0,
                   flood_alone.flood_tokens / flood_alone.seconds, together.flood_tokens / together.seconds,
                   together.refused, [round(t, 1) for t in alone.quiet_ttft_ms],
-                  [round(t, 1) for t in together.quiet_ttft_ms])
+                  [round(t, 1) for t in together.quiet_ttft_ms], together.quiet_sent_s)
         print(format_rows([row], header=not rows and mode == args.modes[0]), flush=True)
         rows.append(row)
     return rows
