@@ -8,6 +8,7 @@ the models (gateway/flow/rate_limit.py is the gateway's, not a model's).
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 
 from ray.serve.handle import DeploymentHandle
@@ -47,7 +48,7 @@ class ServedModel:
         if c.flow_control and c.redis_url:
             reader = HeartbeatReader(c.redis_url, RedisKeys(c.key_prefix, c.index_buckets), c.load_refresh_s)
         tenants = keys.tenants
-        return FlowController(
+        controller = FlowController(
             Capacity(seats, prefill, c.flow_replica_waiting, c.flow_kv_free_min, shared=gateways > 1,
                      headroom=most if c.flow_control else 0),  # one seat more per replica: gateway/app.py
             c.max_queued_requests,
@@ -56,6 +57,9 @@ class ServedModel:
             tenants=tuple(tenants) or ("anonymous",), shutting_down=shutting_down, enabled=c.flow_control,
             model=self.name,
         )
+        if reader is not None and gateways > 1:  # tenants' shares judged over every gateway's seats
+            reader.share, reader.gateway_id = controller.ledger.seats, uuid.uuid4().hex
+        return controller
 
     def card(self) -> list[dict]:
         """This model and its adapters as /v1/models lists them (vLLM's fields: an adapter's

@@ -197,6 +197,28 @@ def test_has_room_from_the_ledger_and_the_heartbeats():
     assert not has_room(beside, 1, 10, None, roomy, 2, "quiet", weight=lambda f: 10.0 if f == "f" else 0.1)
 
 
+
+def test_a_tenants_share_counts_the_other_gateways_seats():
+    """With several gateways the share is judged over all their seats (Elsewhere: the others'
+    FlowSeats read from Redis): a quiet tenant alone on its gateway, beside a flood that holds
+    the seats through another, is within its share; the flood is over it on either gateway."""
+    from gateway.flow.saturation import Elsewhere
+
+    quiet_here = Ledger(1, 0, 0, {"quiet": [1, 0]})
+    flood_there = Elsewhere(in_flight=7, seats={"f": 7})
+    assert quiet_here.over_share("quiet")  # alone on this gateway: all of its seats are the tenant's
+    assert not quiet_here.over_share("quiet", elsewhere=flood_there)
+    assert quiet_here.over_share("f", elsewhere=flood_there)  # nothing of it here: over on the fleet's count
+    assert not Ledger(0, 0).over_share("f", elsewhere=Elsewhere())
+    # the headroom seats follow: the quiet tenant may take one past the seats, the flood may not
+    roomy = Capacity(1, 1000, 2, 0.05, shared=True, headroom=1)
+    assert not has_room(quiet_here, 1, 10, None, roomy, 2, "quiet")
+    assert has_room(quiet_here, 1, 10, None, roomy, 2, "quiet", elsewhere=flood_there)
+    assert not has_room(quiet_here, 1, 10, None, roomy, 2, "f", elsewhere=flood_there)
+    # weights count fleet-wide too: a tenant of weight 9 holding 7 of 8 seats is within its share
+    assert not quiet_here.over_share("f", lambda t: 9.0 if t == "f" else 1.0, flood_there)
+    assert Ledger(3, 0, 0, {"f": [2, 0], None: [1, 0]}).seats().seats == {"f": 2}  # anonymous: in_flight only
+
 # ---- the admission controller -------------------------------------------------------------------
 def _shed(reason: str, tenant: str = "b") -> float:
     """The shed counter of model "m" (the _controller's), this reason and tenant."""
@@ -308,11 +330,11 @@ def test_full_queue_refuses_with_429_and_retry_after():
         await flow.acquire(Ticket("default", "a", 10, 1, 10))
         queued = asyncio.create_task(flow.acquire(Ticket("default", "a", 10, 1, 10)))
         await asyncio.sleep(0)
-        before = _shed("queue_full")
+        before = _shed("queue_full"), _shed("queue_full", "a")  # the registry is the process's: other tests count too
         with pytest.raises(APIError) as e:  # full: the arriving flex request is the lowest band's, refused
             await flow.acquire(Ticket("flex", "b", 10, 1, 10))
         assert e.value.status == 429 and int(e.value.headers["Retry-After"]) >= 1 and e.value.code == "server_overloaded"
-        assert _shed("queue_full") == before + 1 and _shed("queue_full", "a") == 0  # b's, not a's
+        assert (_shed("queue_full"), _shed("queue_full", "a")) == (before[0] + 1, before[1])  # b's, not a's
         queued.cancel()
 
     asyncio.run(run())

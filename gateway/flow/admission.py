@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from gateway import metrics as m
 from gateway.errors import APIError
 from gateway.flow.fair_queue import Entry, FairQueue, Flow
-from gateway.flow.saturation import Capacity, HeartbeatReader, Ledger, has_room
+from gateway.flow.saturation import NOWHERE, Capacity, Elsewhere, HeartbeatReader, Ledger, has_room
 from gateway.flow.tiers import RANK, TIERS
 
 log = logging.getLogger("prefixgate.flow")
@@ -145,12 +145,16 @@ class FlowController:
             return self.ledger.in_flight + ticket.n <= self.capacity.max_in_flight
         loads = self.reader.loads() if self.reader is not None else None
         return has_room(self.ledger, ticket.n, ticket.tokens, loads, self.capacity, self.replicas, ticket.flow,
-                        self.queue.weight)
+                        self.queue.weight, self._elsewhere())
+
+    def _elsewhere(self) -> Elsewhere:
+        """The other gateways' tenants in flight (nothing known with one gateway, or Redis away)."""
+        return self.reader.elsewhere() if self.reader is not None else NOWHERE
 
     def _send(self, ticket: Ticket) -> None:
         ticket.sent = True
         # anonymous requests are one flow: FIFO in the replica
-        ticket.crowded = ticket.flow is not None and self.ledger.over_share(ticket.flow, self.queue.weight)
+        ticket.crowded = ticket.flow is not None and self.ledger.over_share(ticket.flow, self.queue.weight, self._elsewhere())
         self.ledger.in_flight += ticket.n
         self.ledger.unstarted_tokens += ticket.tokens
         self.ledger.unstarted += 1

@@ -14,6 +14,12 @@ Two views, both needed:
 
 A gateway with nothing in flight always sends its head request (stale heartbeats or other
 gateways must never leave its queue waiting for nothing).
+
+With several gateways, each also writes its tenants' seats in flight into Redis and reads the
+others' (`HeartbeatReader`, the same round trip as the heartbeats; `Elsewhere`), so whether a
+tenant holds its share of the seats (`Ledger.over_share`: the replicas' order and the
+headroom seats) is judged over the fleet: a flood through one gateway is over its share at
+the replicas even when a quiet tenant's requests come through another.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.protocol.redis_schema import LOAD_FIELDS, RedisKeys, parse_heartbeat
+import msgspec
+
+from router.protocol.redis_schema import LOAD_FIELDS, FlowSeats, RedisKeys, parse_heartbeat
 
 log = logging.getLogger("prefixgate.flow")
 
@@ -39,6 +47,17 @@ class Capacity:
     headroom: int = 0  # seats past max_in_flight for tenants within their share (a fair-share floor: Ledger.over_share)
 
 
+@dataclass(frozen=True)
+class Elsewhere:
+    """The other gateways' seats to the same replicas (their FlowSeats, summed), as last read."""
+
+    in_flight: int = 0
+    seats: dict[str, int] = field(default_factory=dict)  # tenant -> seats in flight
+
+
+NOWHERE = Elsewhere()
+
+
 @dataclass
 class Ledger:
     in_flight: int = 0
@@ -51,18 +70,27 @@ class Ledger:
         seats, unstarted = self.by_flow.get(flow, (0, 0))
         return seats, unstarted
 
-    def over_share(self, flow, weight: Callable[[object], float] | None = None) -> bool:
-        """Whether `flow` holds at least its weighted share of the seats in flight, the seats
-        divided among the tenants holding any (`weight`: a tenant's weight, 1 when None). Not
-        "holds any seat": a tenant's last request stays open for a moment after its client read
-        the end of it (the gateway closes it on a later turn of its loop), and the client's next
-        request then looked like a flood's."""
-        seats = self.flow(flow)[0]
+    def over_share(self, flow, weight: Callable[[object], float] | None = None, elsewhere: Elsewhere = NOWHERE) -> bool:
+        """Whether `flow` holds at least its weighted share of the seats in flight (this
+        gateway's and, `elsewhere`, the other gateways'), the seats divided among the tenants
+        holding any (`weight`: a tenant's weight, 1 when None). Not "holds any seat": a tenant's
+        last request stays open for a moment after its client read the end of it (the gateway
+        closes it on a later turn of its loop), and the client's next request then looked like a
+        flood's."""
+        seats = self.flow(flow)[0] + elsewhere.seats.get(flow, 0)
         if not seats:
             return False
         w = weight or (lambda _flow: 1.0)
-        total = sum(w(f) for f, (held, _) in self.by_flow.items() if held > 0)
-        return seats >= self.in_flight * w(flow) / max(total, 1e-9)
+        holders = {f for f, (held, _) in self.by_flow.items() if held > 0}
+        holders.update(f for f, held in elsewhere.seats.items() if held > 0)
+        total = sum(w(f) for f in holders)
+        return seats >= (self.in_flight + elsewhere.in_flight) * w(flow) / max(total, 1e-9)
+
+    def seats(self) -> FlowSeats:
+        """What this gateway writes for the others (a tenant is a string; anonymous requests
+        count in `in_flight` only)."""
+        return FlowSeats(t=time.time(), in_flight=self.in_flight,
+                         seats={f: held for f, (held, _) in self.by_flow.items() if held > 0 and f is not None})
 
     def add(self, flow, seats: int, unstarted: int) -> None:
         mine = self.by_flow.setdefault(flow, [0, 0])
@@ -97,16 +125,21 @@ def fleet_saturated(loads: list[dict[str, int]] | None, cap: Capacity) -> bool:
     return bool(loads) and all(replica_full(load, cap) for load in loads)
 
 
+STALE_SEATS_S = 60.0  # a gateway's FlowSeats not rewritten for this long is deleted by the others (it is gone)
+_SEATS_ENCODER = msgspec.json.Encoder()
+_SEATS_DECODER = msgspec.json.Decoder(FlowSeats)
+
 PIPELINE = 2  # unstarted requests per replica that always go: one computing, one ready behind it
 
 
 def has_room(ledger: Ledger, n: int, tokens: int, loads: list[dict[str, int]] | None, cap: Capacity,
-             replicas: int, flow=None, weight: Callable[[object], float] | None = None) -> bool:
+             replicas: int, flow=None, weight: Callable[[object], float] | None = None,
+             elsewhere: Elsewhere = NOWHERE) -> bool:
     """Whether a request of tenant `flow`, `n` streams and `tokens` prompt tokens may be sent now."""
     if ledger.in_flight == 0:
         return True
     _, unstarted = ledger.flow(flow)
-    if ledger.in_flight + n > cap.max_in_flight + (0 if ledger.over_share(flow, weight) else cap.headroom):
+    if ledger.in_flight + n > cap.max_in_flight + (0 if ledger.over_share(flow, weight, elsewhere) else cap.headroom):
         return False  # a tenant within its share may use the headroom: it never waits for a flood's seats
     live = max(len(loads) if loads else replicas, 1)
     # pending prefill: within the budget, or fewer than PIPELINE unstarted requests per replica (a
@@ -122,13 +155,18 @@ def has_room(ledger: Ledger, n: int, tokens: int, loads: list[dict[str, int]] | 
 class HeartbeatReader:
     """The heartbeats of this deployment's replicas, re-read every `refresh_s` (the replica ids
     from the registry set every `ids_every` refreshes). `loads()` is None when they are unknown:
-    Redis away, or nothing read for `max_age_s`."""
+    Redis away, or nothing read for `max_age_s`. With `share` (several gateways) each refresh
+    also writes this gateway's FlowSeats under `gateway_id` and reads the others'
+    (`elsewhere()`: nothing known once they are older than `max_age_s`)."""
 
     def __init__(self, redis_url: str, keys: RedisKeys, refresh_s: float = 0.1, timeout_s: float = 0.5,
-                 max_age_s: float = 3.0, ids_every: int = 10) -> None:
+                 max_age_s: float = 3.0, ids_every: int = 10, share: Callable[[], FlowSeats] | None = None,
+                 gateway_id: str = "") -> None:
         self.redis_url, self.keys = redis_url, keys
         self.refresh_s, self.timeout_s, self.max_age_s, self.ids_every = refresh_s, timeout_s, max_age_s, ids_every
+        self.share, self.gateway_id = share, gateway_id
         self._loads: list[dict[str, int]] = []
+        self._elsewhere = NOWHERE
         self._ids: list[str] = []
         self._client = None
         self._task: asyncio.Task | None = None
@@ -139,6 +177,12 @@ class HeartbeatReader:
         if time.monotonic() - self.updated_at > self.max_age_s:
             return None
         return self._loads
+
+    def elsewhere(self) -> Elsewhere:
+        """The other gateways' seats as last read (nothing, once the read is `max_age_s` old)."""
+        if time.monotonic() - self.updated_at > self.max_age_s:
+            return NOWHERE
+        return self._elsewhere
 
     def start(self) -> None:
         if self._task is None or self._task.done():
@@ -154,10 +198,40 @@ class HeartbeatReader:
         pipe = self._client.pipeline(transaction=False)
         for rid in self._ids:
             pipe.hmget(self.keys.heartbeat(rid), *LOAD_FIELDS)
-        answers = await asyncio.wait_for(pipe.execute(), self.timeout_s) if self._ids else []
+        if self.share is not None:
+            pipe.hset(self.keys.flow_seats, self.gateway_id, _SEATS_ENCODER.encode(self.share()))
+            pipe.hgetall(self.keys.flow_seats)
+        answers = await asyncio.wait_for(pipe.execute(), self.timeout_s) if len(pipe) else []
+        if self.share is not None:
+            self._elsewhere = await self._others(answers[-1])
+        answers = answers[: len(self._ids)]
         self._loads = [load for values in answers if (load := parse_heartbeat(values)) is not None]
         self.reads += 1
         self.updated_at = time.monotonic()
+
+    async def _others(self, entries: dict) -> Elsewhere:
+        """The other gateways' FlowSeats summed; entries older than `max_age_s` count for
+        nothing, and those older than STALE_SEATS_S (a gateway gone) are deleted."""
+        now, in_flight, seats, gone = time.time(), 0, {}, []
+        for field_, raw in entries.items():
+            gateway = field_.decode() if isinstance(field_, bytes) else field_
+            if gateway == self.gateway_id:
+                continue
+            try:
+                entry = _SEATS_DECODER.decode(raw)
+            except msgspec.DecodeError:
+                gone.append(gateway)
+                continue
+            if now - entry.t > STALE_SEATS_S:
+                gone.append(gateway)
+            if now - entry.t > self.max_age_s:
+                continue
+            in_flight += entry.in_flight
+            for tenant, held in entry.seats.items():
+                seats[tenant] = seats.get(tenant, 0) + held
+        if gone:
+            await asyncio.wait_for(self._client.hdel(self.keys.flow_seats, *gone), self.timeout_s)
+        return Elsewhere(in_flight, seats)
 
     async def _run(self) -> None:
         while True:
@@ -186,4 +260,9 @@ class HeartbeatReader:
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=1.0)
+        if self.share is not None and self._client is not None:
+            try:  # the others stop counting this gateway's seats at once, not after max_age_s
+                await asyncio.wait_for(self._client.hdel(self.keys.flow_seats, self.gateway_id), self.timeout_s)
+            except Exception:
+                pass
         await self._drop()

@@ -67,6 +67,17 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
         return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
 
 
+class FlowSeats(msgspec.Struct, kw_only=True):
+    """One gateway's seats in flight to a model's replicas, per tenant, as it last wrote them
+    into the model's `flow_seats` hash (field: the gateway's id). Every gateway of the model
+    reads the others', so a tenant's share of the seats is judged fleet-wide
+    (gateway/flow/saturation.py Ledger.over_share), not per gateway."""
+
+    t: float  # unix time written (an entry older than the readers' max age counts for nothing)
+    in_flight: int  # every seat of the gateway, anonymous requests included
+    seats: dict[str, int] = {}  # tenant -> seats in flight (tenants holding none left out)
+
+
 # What a router's load table reads of each heartbeat (one HMGET per replica), in this order.
 LOAD_FIELDS: tuple[str, ...] = tuple(f for f in Heartbeat.__struct_fields__ if f not in ("pid", "generated_tokens", "step_lag"))
 
@@ -145,6 +156,11 @@ class RedisKeys:
 
     def heartbeat(self, replica_id: str) -> str:
         return f"{self.prefix}:hb:{replica_id}"
+
+    @property
+    def flow_seats(self) -> str:
+        """Hash: gateway id -> its FlowSeats as JSON (the model's gateways' tenants in flight)."""
+        return f"{self.prefix}:flow-seats"
 
     def blocks(self, replica_id: str) -> str:
         """Per-replica set of the hashes it holds (what to retract when it dies)."""
