@@ -198,6 +198,20 @@ def test_has_room_from_the_ledger_and_the_heartbeats():
 
 
 
+def test_full_replicas_hold_back_the_flood_not_a_tenant_within_its_share():
+    """Every replica full (several gateways: queued up): the flood waits in the gateway, a quiet
+    tenant within its share goes (in the headroom), since the replicas serve it ahead of the
+    flood; anonymous requests are one flow and wait as before."""
+    full = [{"waiting": 9, "capacity_blocks": 100, "free_blocks": 50}] * 2
+    cap = Capacity(8, 1000, 2, 0.05, shared=True, headroom=2)
+    flooded = Ledger(8, 0, 0, {"f": [8, 0]})
+    assert not has_room(flooded, 1, 10, full, cap, 2, "f")
+    assert not has_room(Ledger(4, 0, 0, {"f": [4, 0]}), 1, 10, full, cap, 2, "f")  # seats free, replicas full
+    assert has_room(flooded, 1, 10, full, cap, 2, "quiet")
+    assert has_room(flooded, 1, 10, None, cap, 2, "quiet")
+    assert not has_room(Ledger(10, 0, 0, {"f": [8, 0], "quiet": [2, 0]}), 1, 10, full, cap, 2, "quiet")  # headroom spent
+    assert not has_room(Ledger(4, 0, 0, {None: [4, 0]}), 1, 10, full, cap, 2, None)
+
 def test_a_tenants_share_counts_the_other_gateways_seats():
     """With several gateways the share is judged over all their seats (Elsewhere: the others'
     FlowSeats read from Redis): a quiet tenant alone on its gateway, beside a flood that holds

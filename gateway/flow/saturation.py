@@ -139,7 +139,8 @@ def has_room(ledger: Ledger, n: int, tokens: int, loads: list[dict[str, int]] | 
     if ledger.in_flight == 0:
         return True
     _, unstarted = ledger.flow(flow)
-    if ledger.in_flight + n > cap.max_in_flight + (0 if ledger.over_share(flow, weight, elsewhere) else cap.headroom):
+    within = not ledger.over_share(flow, weight, elsewhere)
+    if ledger.in_flight + n > cap.max_in_flight + (cap.headroom if within else 0):
         return False  # a tenant within its share may use the headroom: it never waits for a flood's seats
     live = max(len(loads) if loads else replicas, 1)
     # pending prefill: within the budget, or fewer than PIPELINE unstarted requests per replica (a
@@ -149,7 +150,11 @@ def has_room(ledger: Ledger, n: int, tokens: int, loads: list[dict[str, int]] | 
     # replica's queue: flow/tiers.py replica_priority)
     if unstarted and ledger.unstarted >= PIPELINE * live and ledger.unstarted_tokens + tokens > cap.prefill_tokens * live:
         return False
-    return not fleet_saturated(loads, cap)
+    # full replicas hold back the tenants at or over their share; a tenant within it goes (in its
+    # headroom), since it is served ahead of them in the replicas' queues (tiers.replica_priority:
+    # tenants only, anonymous requests are one flow there): held here, it waited for a heartbeat
+    # to show room that the flood's next request takes at once
+    return (within and flow is not None) or not fleet_saturated(loads, cap)
 
 
 class HeartbeatReader:
