@@ -23,7 +23,10 @@ WAITS = {"priority": 60.0, "default": 60.0, "flex": 60.0}
 def _gateway(url: str, keys: RedisKeys, name: str) -> FlowController:
     """One gateway's controller of the model, sharing its tenants' seats as `gateway_id` name
     (as gateway/served_model.py builds it when `gateways` > 1)."""
-    reader = HeartbeatReader(url, keys, refresh_s=60.0)  # refreshed by the test, not by its loop
+    # refreshed by the test only (no background loop), with deadlines and an age no loaded
+    # machine reaches: what the test asserts is the arithmetic, not Redis's speed
+    reader = HeartbeatReader(url, keys, timeout_s=30.0, max_age_s=600.0)
+    reader.start = lambda: None
     flow = FlowController(Capacity(16, 100_000, 2, 0.0, shared=True, headroom=2), 10, WAITS, replicas=2,
                           reader=reader, tenants=("flood", "quiet"), model="m")
     reader.share, reader.gateway_id = flow.ledger.seats, name
@@ -68,13 +71,13 @@ def test_old_entries_count_for_nothing_and_a_gateway_gone_long_ago_is_deleted(re
     client = redis.Redis.from_url(redis_server.url)
     now = time.time()
     entries = {"recent": FlowSeats(t=now, in_flight=3, seats={"t": 3}),
-               "late": FlowSeats(t=now - 10, in_flight=5, seats={"t": 5}),  # past max_age_s: ignored, kept
+               "late": FlowSeats(t=now - 45, in_flight=5, seats={"t": 5}),  # past max_age_s: ignored, kept
                "gone": FlowSeats(t=now - 3600, in_flight=7, seats={"t": 7})}  # past STALE_SEATS_S: deleted
     client.hset(keys.flow_seats, mapping={k: msgspec.json.encode(v) for k, v in entries.items()})
     client.hset(keys.flow_seats, "garbled", b"{not json")
 
     async def run():
-        reader = HeartbeatReader(redis_server.url, keys, max_age_s=3.0, share=lambda: FlowSeats(t=time.time(), in_flight=0),
+        reader = HeartbeatReader(redis_server.url, keys, timeout_s=30.0, max_age_s=30.0, share=lambda: FlowSeats(t=time.time(), in_flight=0),
                                  gateway_id="me")
         await reader.refresh()
         seen = reader.elsewhere()

@@ -10,7 +10,8 @@ Two views, both needed:
 * The replicas' heartbeats (the load the router's table reads: waiting requests, pending
   prefill tokens, free K/V), which also count what other gateways sent. They are a few
   hundred milliseconds old, so they only close the gate: when every replica is full (short
-  of K/V; with several gateways, also queued up).
+  of K/V; with several gateways, also queued up), and only for tenants at or over their share
+  (one within it is served ahead of them in the replicas: has_room).
 
 A gateway with nothing in flight always sends its head request (stale heartbeats or other
 gateways must never leave its queue waiting for nothing).
@@ -234,8 +235,11 @@ class HeartbeatReader:
             in_flight += entry.in_flight
             for tenant, held in entry.seats.items():
                 seats[tenant] = seats.get(tenant, 0) + held
-        if gone:
-            await asyncio.wait_for(self._client.hdel(self.keys.flow_seats, *gone), self.timeout_s)
+        if gone:  # best effort: a failed clean-up must not cost this refresh its heartbeats
+            try:
+                await asyncio.wait_for(self._client.hdel(self.keys.flow_seats, *gone), self.timeout_s)
+            except Exception as e:
+                log.debug("flow-seats clean-up failed: %r", e)
         return Elsewhere(in_flight, seats)
 
     async def _run(self) -> None:
