@@ -109,8 +109,11 @@ def test_no_hit_across_adapters_a_hit_under_one_and_routing_by_adapter_prefix(lo
     # a new session with the same adapter and prompt goes where that adapter's prefix is
     other = complete(lora_app, "tutor", f"s-{uuid.uuid4().hex[:6]}", prompt)
     assert cached(other) >= 64, (dict(other.headers), home, other.json())
-    assert other.headers["x-prefixgate-replica"] == home
-    assert other.headers["x-prefixgate-route"] == "prefix", dict(other.headers)
+    # found by the adapter's prefix: sent to its holder, or (when the router's load view still
+    # counts the previous request there: tests/test_router_e2e.py) to the other replica with a
+    # pull of those blocks from the holder; either way the hit above is the adapter-keyed match
+    route = other.headers["x-prefixgate-route"]
+    assert (other.headers["x-prefixgate-replica"], route) == (home, "prefix") or route == "pull", dict(other.headers)
 
 
 def test_unknown_model_is_a_404(lora_app):
