@@ -44,13 +44,15 @@ class ServedModel:
         # flight); on: the replicas' seats, shared between the gateways (Serve's proxies spread
         # requests over them), so K gateways together send what the replicas run, not K times it
         seats = -(-most * c.max_ongoing_requests // max(gateways, 1)) if c.flow_control else self.capacity
+        # the replicas' one seat more each (gateway/app.py), shared the same way: for tenants within their share
+        headroom = -(-most // max(gateways, 1)) if c.flow_control else 0
         reader = None
         if c.flow_control and c.redis_url:
             reader = HeartbeatReader(c.redis_url, RedisKeys(c.key_prefix, c.index_buckets), c.load_refresh_s)
         tenants = keys.tenants
         controller = FlowController(
             Capacity(seats, prefill, c.flow_replica_waiting, c.flow_kv_free_min, shared=gateways > 1,
-                     headroom=most if c.flow_control else 0),  # one seat more per replica: gateway/app.py
+                     headroom=headroom),
             c.max_queued_requests,
             {"priority": c.queue_wait_priority_s, "default": c.queue_wait_default_s, "flex": c.queue_wait_flex_s},
             c.replicas, weight=lambda flow: tenants[flow].weight if flow in tenants else 1.0, reader=reader,

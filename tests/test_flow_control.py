@@ -231,7 +231,12 @@ def test_a_tenants_share_counts_the_other_gateways_seats():
     assert not has_room(quiet_here, 1, 10, None, roomy, 2, "f", elsewhere=flood_there)
     # weights count fleet-wide too: a tenant of weight 9 holding 7 of 8 seats is within its share
     assert not quiet_here.over_share("f", lambda t: 9.0 if t == "f" else 1.0, flood_there)
-    assert Ledger(3, 0, 0, {"f": [2, 0], None: [1, 0]}).seats().seats == {"f": 2}  # anonymous: in_flight only
+    shared = Ledger(3, 0, 0, {"f": [2, 0], None: [1, 0]}).seats()
+    assert (shared.seats, shared.anonymous, shared.in_flight) == ({"f": 2}, 1, 3)  # anonymous: one flow of its own
+    # anonymous requests through the other gateways count toward their one flow's share too
+    anonymous_here = Ledger(1, 0, 0, {None: [1, 0]})
+    assert not anonymous_here.over_share(None, elsewhere=flood_there)
+    assert anonymous_here.over_share(None, elsewhere=Elsewhere(in_flight=7, seats={None: 6, "f": 1}))
 
 # ---- the admission controller -------------------------------------------------------------------
 def _shed(reason: str, tenant: str = "b") -> float:
@@ -549,10 +554,12 @@ def test_gateways_share_the_replicas_seats():
     from gateway.flow.keys import parse_keys
     from gateway.served_model import ServedModel
 
-    def seats(gateways: int, **kw) -> int:
+    def capacity(gateways: int, **kw):
         config = AppConfig(engine="sim", redis_url=None, replicas=3, max_ongoing_requests=8, gateways=gateways, **kw)
         model = ServedModel(config.model_configs()[0], None, parse_keys({}), lambda: False, gateways)
-        return model.flow.capacity.max_in_flight
+        return model.flow.capacity
 
-    assert (seats(1), seats(2), seats(5)) == (24, 12, 5)
-    assert seats(2, flow_control=False) == 3 * 8 + 64
+    assert [capacity(k).max_in_flight for k in (1, 2, 5)] == [24, 12, 5]
+    # the replicas' one seat more each (for tenants within their share) is shared the same way
+    assert [capacity(k).headroom for k in (1, 2, 5)] == [3, 2, 1]
+    assert capacity(2, flow_control=False).max_in_flight == 3 * 8 + 64 and capacity(2, flow_control=False).headroom == 0

@@ -41,6 +41,7 @@ def test_a_flood_through_one_gateway_is_over_its_share_on_the_other(redis_server
         flood = [Ticket("default", "flood", 100, 1, 50) for _ in range(6)]
         for t in flood:
             await a.acquire(t)
+        await a.acquire(Ticket("default", None, 10, 1, 5))  # a request without an API key
         await b.acquire(Ticket("default", "quiet", 10, 1, 5))  # its last request, still open
         alone = b.ledger.over_share("quiet")  # what b alone says: all the seats it knows are the quiet one's
         await a.reader.refresh()  # a writes its seats ...
@@ -58,9 +59,9 @@ def test_a_flood_through_one_gateway_is_over_its_share_on_the_other(redis_server
         return alone, quiet, more_flood, seen_by_b, after
 
     alone, quiet, more_flood, seen_by_b, after = asyncio.run(run())
-    assert (seen_by_b.in_flight, seen_by_b.seats) == (6, {"flood": 6})
+    assert (seen_by_b.in_flight, seen_by_b.seats) == (7, {"flood": 6, None: 1})  # anonymous: one flow of its own
     assert alone  # without the others' seats its next request would go behind the flood's in the replica
-    assert not quiet.crowded and more_flood.crowded  # the quiet one's 1 of 7 fleet seats (share 3.5), the flood's 6 of 8 (share 4)
+    assert not quiet.crowded and more_flood.crowded  # the quiet one's 1 of 8 fleet seats (share 8/3), the flood's 6 of 9 (share 3)
     assert replica_priority(quiet.tier, quiet.crowded) < replica_priority(more_flood.tier, more_flood.crowded)
     assert after.in_flight == 0 and after.seats == {}
     assert redis.Redis.from_url(redis_server.url).hkeys(keys.flow_seats) == []  # both gone: nothing left

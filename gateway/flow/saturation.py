@@ -53,7 +53,7 @@ class Elsewhere:
     """The other gateways' seats to the same replicas (their FlowSeats, summed), as last read."""
 
     in_flight: int = 0
-    seats: dict[str, int] = field(default_factory=dict)  # tenant -> seats in flight
+    seats: dict[str | None, int] = field(default_factory=dict)  # tenant (None: anonymous) -> seats in flight
 
 
 NOWHERE = Elsewhere()
@@ -88,9 +88,9 @@ class Ledger:
         return seats >= (self.in_flight + elsewhere.in_flight) * w(flow) / max(total, 1e-9)
 
     def seats(self) -> FlowSeats:
-        """What this gateway writes for the others (a tenant is a string; anonymous requests
-        count in `in_flight` only)."""
-        return FlowSeats(t=time.time(), in_flight=self.in_flight,
+        """What this gateway writes for the others (a tenant is a string; anonymous requests,
+        one flow, in a field of their own)."""
+        return FlowSeats(t=time.time(), in_flight=self.in_flight, anonymous=self.flow(None)[0],
                          seats={f: held for f, (held, _) in self.by_flow.items() if held > 0 and f is not None})
 
     def add(self, flow, seats: int, unstarted: int) -> None:
@@ -233,8 +233,9 @@ class HeartbeatReader:
             if now - entry.t > self.max_age_s:
                 continue
             in_flight += entry.in_flight
-            for tenant, held in entry.seats.items():
-                seats[tenant] = seats.get(tenant, 0) + held
+            for tenant, held in [*entry.seats.items(), (None, entry.anonymous)]:
+                if held:
+                    seats[tenant] = seats.get(tenant, 0) + held
         if gone:  # best effort: a failed clean-up must not cost this refresh its heartbeats
             try:
                 await asyncio.wait_for(self._client.hdel(self.keys.flow_seats, *gone), self.timeout_s)

@@ -76,6 +76,7 @@ class FlowSeats(msgspec.Struct, kw_only=True):
     t: float  # unix time written (an entry older than the readers' max age counts for nothing)
     in_flight: int  # every seat of the gateway, anonymous requests included
     seats: dict[str, int] = {}  # tenant -> seats in flight (tenants holding none left out)
+    anonymous: int = 0  # seats of requests without an API key (one flow, as in the gateway's queue)
 
 
 # What a router's load table reads of each heartbeat (one HMGET per replica), in this order.
