@@ -25,19 +25,20 @@ from router.protocol.redis_schema import RedisKeys
 
 class ServedModel:
     def __init__(self, config: AppConfig, replicas: DeploymentHandle, keys: KeyTable,
-                 shutting_down: Callable[[], bool], gateways: int) -> None:
+                 shutting_down: Callable[[], bool], gateways: int, gateway_id: str = "") -> None:
         self.config = config  # the model's own: model_configs() of the app's
         self.name = config.served_name
         self.replicas = replicas
         self.prompts = PromptBuilder(config)
         most = (config.autoscaling or {}).get("max_replicas", config.replicas)
         self.capacity = most * config.max_ongoing_requests + config.max_queued_requests
-        self.flow = self._flow_controller(most, keys, shutting_down, gateways)
+        self.flow = self._flow_controller(most, keys, shutting_down, gateways, gateway_id)
         redis_keys = RedisKeys(config.key_prefix, config.index_buckets)
         static = {name: adapter_ref(name, path) for name, path in config.lora.items()}
         self.adapters = AdapterRegistry(static, config.redis_url, redis_keys.lora_adapters)
 
-    def _flow_controller(self, most: int, keys: KeyTable, shutting_down: Callable[[], bool], gateways: int) -> FlowController:
+    def _flow_controller(self, most: int, keys: KeyTable, shutting_down: Callable[[], bool], gateways: int,
+                         gateway_id: str) -> FlowController:
         c = self.config
         prefill = c.flow_prefill_tokens or 2 * c.max_num_batched_tokens
         # flow control off: the old bound (replicas x max_ongoing_requests + max_queued_requests in
@@ -60,7 +61,7 @@ class ServedModel:
             model=self.name,
         )
         if reader is not None and gateways > 1:  # tenants' shares judged over every gateway's seats
-            reader.share, reader.gateway_id = controller.ledger.seats, uuid.uuid4().hex
+            reader.share, reader.gateway_id = controller.ledger.seats, gateway_id or uuid.uuid4().hex
         return controller
 
     def card(self) -> list[dict]:

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import ray
@@ -153,10 +154,13 @@ def _app_deleting() -> bool:
 class Gateway:
     def __init__(self, replicas: dict[str, DeploymentHandle], config: dict) -> None:
         self.config = AppConfig.from_dict(config)
+        # which gateway answered (x-prefixgate-gateway on every completion response, refusals
+        # included); also its field in the models' flow-seats hashes
+        self.gateway_id = uuid.uuid4().hex[:12]
         self.keys = parse_keys(self.config.api_keys)
         # every model of the app: its replicas, tokenizer, queue and adapters (gateway/served_model.py)
         self.served = {cfg.served_name: ServedModel(cfg, replicas[cfg.served_name], self.keys, _app_deleting,
-                                                    self.config.gateways)
+                                                    self.config.gateways, self.gateway_id)
                        for cfg in self.config.model_configs()}
         keys = RedisKeys(self.config.key_prefix, self.config.index_buckets)
         self.limiter = RateLimiter(self.config.redis_url, keys, share=1 / max(self.config.gateways, 1))
@@ -298,7 +302,7 @@ class Gateway:
     async def _serve(self, request: Request, schema, chat: bool):
         endpoint = "chat" if chat else "completions"
         arrival = time.monotonic()
-        limit_headers: dict[str, str] = {}
+        limit_headers: dict[str, str] = {"x-prefixgate-gateway": self.gateway_id}
         label = "none"  # the model_name of its metrics: a served model's, once it names one
         try:
             key = self._key(request)
@@ -321,7 +325,7 @@ class Gateway:
             streams, reqs = self._generate(served, body, prompt_ids, prompt_text, session, tenant, max_tokens, adapter)
             cost = len(prompt_ids) + body.n * max_tokens  # tokens: the prompt and the most it may produce
             if key is not None:
-                limit_headers = await self._limit(served.name, self.keys.tenants[tenant], cost)
+                limit_headers |= await self._limit(served.name, self.keys.tenants[tenant], cost)
             ticket = Ticket(tier, tenant, cost, body.n, len(prompt_ids), arrival)
             await served.flow.acquire(ticket)  # waits while the model's replicas are saturated
             for req in reqs:  # the replica's queue keeps the tier, and a tenant's only request goes first
