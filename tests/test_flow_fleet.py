@@ -88,3 +88,33 @@ def test_old_entries_count_for_nothing_and_a_gateway_gone_long_ago_is_deleted(re
     seen = asyncio.run(run())
     assert (seen.in_flight, seen.seats) == (3, {"t": 3})
     assert sorted(client.hkeys(keys.flow_seats)) == [b"late", b"recent"]  # "me" deleted on close, "gone" and "garbled" by the reader
+
+
+def test_the_readers_loop_ends_on_close_even_when_a_refresh_swallows_the_cancel():
+    """Python 3.11's wait_for can swallow a cancel when its inner call completes at the same
+    moment; the loop then went on refreshing (rewriting this gateway's seats) after close()."""
+    reader = HeartbeatReader("redis://127.0.0.1:1/0", RedisKeys("test-closed"), refresh_s=0.01)
+
+    async def run():
+        entered = asyncio.Event()
+
+        async def refresh_swallowing_the_first_cancel():
+            if entered.is_set():
+                return  # later refreshes: nothing to swallow
+            entered.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                asyncio.current_task().uncancel()  # as the swallowed cancel leaves it: not cancelling
+
+        reader.refresh = refresh_swallowing_the_first_cancel
+        reader.start()
+        await entered.wait()
+        await reader.close()  # cancels, and waits for the loop to end
+        ended = reader._task.done()
+        if not ended:  # the old loop: stop it for good (its next sleep takes this cancel)
+            reader._task.cancel()
+            await asyncio.wait({reader._task})
+        return ended
+
+    assert asyncio.run(run())  # the loop had returned when close() did

@@ -176,6 +176,7 @@ class HeartbeatReader:
         self._ids: list[str] = []
         self._client = None
         self._task: asyncio.Task | None = None
+        self._closed = False
         self.updated_at = 0.0
         self.reads = 0
 
@@ -244,7 +245,7 @@ class HeartbeatReader:
         return Elsewhere(in_flight, seats)
 
     async def _run(self) -> None:
-        while True:
+        while not self._closed:  # a cancel that Python 3.11's wait_for swallowed still ends it here
             try:
                 await self.refresh()
                 delay = self.refresh_s
@@ -267,6 +268,7 @@ class HeartbeatReader:
                 pass
 
     async def close(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=1.0)
