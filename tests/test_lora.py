@@ -101,6 +101,20 @@ def test_one_slot_and_one_resident_adapter_reload_with_the_same_output(tiny_mode
     assert run(engine, [(PROMPT, "mlp")])[0].token_ids == first["mlp"]
 
 
+def test_an_adapter_evicted_from_host_memory_while_in_its_slot_is_resident_again_when_it_runs(tiny_model_dirs, adapters, tmp_path):
+    """A run-time load can evict an adapter from host memory while it still sits in a batch slot;
+    its next request must list it resident again (the heartbeat's `lora_resident` reads this)."""
+    model, ads = tiny_model_dirs["qwen2"], adapters["qwen2"]
+    engine = engine_for(model, ads, max_loras=2, max_cpu_loras=2)
+    run(engine, [(PROMPT, "attn"), (PROMPT, "mlp")])  # both in slots and in host memory
+    late = make_adapter(model, str(tmp_path / "late"), ATTENTION, 4, seed=5)
+    engine.add_adapter(adapter_ref("late", late))  # read: the least recently used leaves host memory
+    evicted = next(n for n in ("attn", "mlp") if engine.adapters[n].identity not in engine.lora_store.resident)
+    run(engine, [(PROMPT, evicted)])  # its slot still holds it
+    assert engine.adapters[evicted].identity in engine.lora_store.resident
+    assert len(engine.lora_store.resident) == 2
+
+
 def test_refusals_name_the_problem(tiny_model_dirs, adapters, tmp_path):
     from replica.core.engine_types import UnknownAdapterError
     from replica.engine import InvalidRequestError

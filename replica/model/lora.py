@@ -242,9 +242,12 @@ class AdapterStore:
         return weights
 
     def ensure(self, slot: int, ref: AdapterRef) -> None:
-        """`ref` in batch slot `slot` before a step that runs it."""
+        """`ref` in batch slot `slot` before a step that runs it. Read (or touched) even when the
+        slot already holds it: an adapter evicted from host memory while it sat in a slot would
+        otherwise run unlisted in `resident`, and routers would price its replica as a disk read."""
+        weights = self.read(ref)
         if self.model.slot_identity[slot] != ref.identity:
-            self.model.load_slot(slot, self.read(ref))
+            self.model.load_slot(slot, weights)
 
     def forget(self, ref: AdapterRef) -> None:
         self.resident.pop(ref.identity, None)
