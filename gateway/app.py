@@ -15,6 +15,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from gateway.config import AppConfig
+from gateway.flow.saturation import HEADROOM_PER_REPLICA
 from gateway.server import Gateway
 from replica.backends.engine_protocol import ENGINE_NAMES
 from replica.backends.vllm_settings import (
@@ -109,9 +110,9 @@ def replica_deployment(config: AppConfig, name: str) -> serve.Application:
         name=name,
         num_replicas=config.replicas,
         ray_actor_options=actor_options,
-        # flow control keeps each gateway's own sends to replicas x max_ongoing_requests; the one
-        # seat more is for a tenant with nothing in flight, who never waits for a flood's seats
-        max_ongoing_requests=config.max_ongoing_requests + (1 if config.flow_control else 0),
+        # flow control keeps the gateways' sends to replicas x max_ongoing_requests; the seat more
+        # is for tenants within their share, who never wait for a flood's seats
+        max_ongoing_requests=config.max_ongoing_requests + (HEADROOM_PER_REPLICA if config.flow_control else 0),
         health_check_period_s=2,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=config.drain_timeout_s,  # then Serve kills it; the gateway moves what runs

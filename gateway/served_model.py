@@ -17,7 +17,7 @@ from gateway.adapters import AdapterRegistry
 from gateway.config import AppConfig
 from gateway.flow.admission import FlowController
 from gateway.flow.keys import KeyTable
-from gateway.flow.saturation import Capacity, HeartbeatReader
+from gateway.flow.saturation import HEADROOM_PER_REPLICA, Capacity, HeartbeatReader
 from gateway.tokenization import PromptBuilder
 from router.protocol.lora import adapter_ref
 from router.protocol.redis_schema import RedisKeys
@@ -45,15 +45,18 @@ class ServedModel:
         # flight); on: the replicas' seats, shared between the gateways (Serve's proxies spread
         # requests over them), so K gateways together send what the replicas run, not K times it
         seats = -(-most * c.max_ongoing_requests // max(gateways, 1)) if c.flow_control else self.capacity
-        # the replicas' one seat more each (gateway/app.py), shared the same way: for tenants within their share
-        headroom = -(-most // max(gateways, 1)) if c.flow_control else 0
+        # the replicas' seat more each (gateway/app.py), shared the same way: for tenants within their share
+        headroom = -(-most * HEADROOM_PER_REPLICA // max(gateways, 1)) if c.flow_control else 0
+        # rounded up, the gateways' shares can add up to more than the replicas take: bound the sum too
+        shared = c.flow_control and gateways > 1
+        fleet_seats, fleet_headroom = (most * c.max_ongoing_requests, most * HEADROOM_PER_REPLICA) if shared else (0, 0)
         reader = None
         if c.flow_control and c.redis_url:
             reader = HeartbeatReader(c.redis_url, RedisKeys(c.key_prefix, c.index_buckets), c.load_refresh_s)
         tenants = keys.tenants
         controller = FlowController(
             Capacity(seats, prefill, c.flow_replica_waiting, c.flow_kv_free_min, shared=gateways > 1,
-                     headroom=headroom),
+                     headroom=headroom, fleet_max_in_flight=fleet_seats, fleet_headroom=fleet_headroom),
             c.max_queued_requests,
             {"priority": c.queue_wait_priority_s, "default": c.queue_wait_default_s, "flex": c.queue_wait_flex_s},
             c.replicas, weight=lambda flow: tenants[flow].weight if flow in tenants else 1.0, reader=reader,

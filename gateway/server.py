@@ -342,9 +342,11 @@ class Gateway:
         except TimeoutError:
             run.close()
             m.REQUESTS.labels(label, endpoint, "504").inc()
-            raise APIError(504, "no replica started this request in time", "server_error", code="timeout") from None
+            raise APIError(504, "no replica started this request in time", "server_error", code="timeout",
+                           headers=limit_headers) from None
         except APIError as e:
             run.close()
+            e.headers = {**limit_headers, **e.headers}
             m.REQUESTS.labels(label, endpoint, str(e.status)).inc()
             raise
         except BaseException:

@@ -546,6 +546,25 @@ def test_flow_settings_from_the_command_line(tmp_path):
             AppConfig(**bad)
 
 
+def test_gateways_together_send_no_more_than_the_replicas_take():
+    """One replica of 2 seats (and its seat more) behind two gateways: each gateway's share
+    rounds up to 1 seat and 1 headroom seat, 4 in all; the fleet bound keeps the sum at 3,
+    judged from the other gateway's seats as last read."""
+    from gateway.flow.saturation import Elsewhere
+
+    cap = Capacity(1, 1000, 2, 0.05, shared=True, headroom=1, fleet_max_in_flight=2, fleet_headroom=1)
+    quiet_here = Ledger(1, 0, 0, {"f": [1, 0]})  # the flood holds this gateway's seat; quiet holds none
+    flood_there = Elsewhere(in_flight=1, seats={"f": 1})
+    assert has_room(quiet_here, 1, 10, None, cap, 1, "quiet", elsewhere=flood_there)  # 3: the replica's last seat
+    assert not has_room(quiet_here, 1, 10, None, cap, 1, "f", elsewhere=flood_there)  # over its share: no headroom
+    full_there = Elsewhere(in_flight=2, seats={"f": 2})  # the other gateway used its headroom too
+    assert not has_room(quiet_here, 1, 10, None, cap, 1, "quiet", elsewhere=full_there)
+    unbounded = Capacity(1, 1000, 2, 0.05, shared=True, headroom=1)
+    assert has_room(quiet_here, 1, 10, None, unbounded, 1, "quiet", elsewhere=full_there)  # the old bound: 4 in all
+    # a gateway with nothing in flight still sends (stale views must never leave its queue waiting)
+    assert has_room(Ledger(0, 0), 1, 10, None, cap, 1, "quiet", elsewhere=Elsewhere(in_flight=9, seats={"f": 9}))
+
+
 def test_gateways_share_the_replicas_seats():
     """K gateways each send a K-th of replicas x max_ongoing_requests (rounded up), so together
     they send what the replicas run and the excess waits in their ordered queues; off, each
@@ -562,4 +581,7 @@ def test_gateways_share_the_replicas_seats():
     assert [capacity(k).max_in_flight for k in (1, 2, 5)] == [24, 12, 5]
     # the replicas' one seat more each (for tenants within their share) is shared the same way
     assert [capacity(k).headroom for k in (1, 2, 5)] == [3, 2, 1]
+    # rounded up, the shares can add up past the replicas' seats: the sum is bounded too
+    assert [(capacity(k).fleet_max_in_flight, capacity(k).fleet_headroom) for k in (1, 2, 5)] == [(0, 0), (24, 3), (24, 3)]
+    assert capacity(2, flow_control=False).fleet_max_in_flight == 0
     assert capacity(2, flow_control=False).max_in_flight == 3 * 8 + 64 and capacity(2, flow_control=False).headroom == 0

@@ -88,12 +88,13 @@ def test_old_entries_count_for_nothing_and_a_gateway_gone_long_ago_is_deleted(re
     seen = asyncio.run(run())
     assert (seen.in_flight, seen.seats) == (3, {"t": 3})
     assert sorted(client.hkeys(keys.flow_seats)) == [b"late", b"recent"]  # "me" deleted on close, "gone" and "garbled" by the reader
+    assert 0 < client.ttl(keys.flow_seats) <= 60  # each write renews it: a fleet gone uncleanly leaves no hash behind
 
 
 def test_the_readers_loop_ends_on_close_even_when_a_refresh_swallows_the_cancel():
     """Python 3.11's wait_for can swallow a cancel when its inner call completes at the same
     moment; the loop then went on refreshing (rewriting this gateway's seats) after close()."""
-    reader = HeartbeatReader("redis://127.0.0.1:1/0", RedisKeys("test-closed"), refresh_s=0.01)
+    reader = HeartbeatReader("redis://127.0.0.1:1/0", RedisKeys("test-closed"), refresh_s=0)  # ends one loop turn after close
 
     async def run():
         entered = asyncio.Event()

@@ -110,8 +110,10 @@ def test_an_adapter_evicted_from_host_memory_while_in_its_slot_is_resident_again
     late = make_adapter(model, str(tmp_path / "late"), ATTENTION, 4, seed=5)
     engine.add_adapter(adapter_ref("late", late))  # read: the least recently used leaves host memory
     evicted = next(n for n in ("attn", "mlp") if engine.adapters[n].identity not in engine.lora_store.resident)
+    reads = engine.lora_store.disk_reads
     run(engine, [(PROMPT, evicted)])  # its slot still holds it
     assert engine.adapters[evicted].identity in engine.lora_store.resident
+    assert engine.lora_store.disk_reads == reads  # from the slot's copy: no disk read on the step path
     assert len(engine.lora_store.resident) == 2
 
 

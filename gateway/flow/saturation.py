@@ -46,6 +46,14 @@ class Capacity:
     kv_free_min: float  # per replica: below this fraction of free K/V blocks it is full
     shared: bool = False  # other gateways send to these replicas too: their queues count
     headroom: int = 0  # seats past max_in_flight for tenants within their share (a fair-share floor: Ledger.over_share)
+    # with several gateways, the replicas' seats and headroom for all of them together (0: no
+    # such bound): each gateway's own share is rounded up, so K gateways could otherwise send
+    # up to K-1 more than the replicas take (1 replica, 2 gateways: a headroom seat each)
+    fleet_max_in_flight: int = 0
+    fleet_headroom: int = 0
+
+
+HEADROOM_PER_REPLICA = 1  # seats a replica takes past max_ongoing_requests (gateway/app.py): a tenant within its share never waits for a flood's
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,9 @@ def has_room(ledger: Ledger, n: int, tokens: int, loads: list[dict[str, int]] | 
     within = not ledger.over_share(flow, weight, elsewhere)
     if ledger.in_flight + n > cap.max_in_flight + (cap.headroom if within else 0):
         return False  # a tenant within its share may use the headroom: it never waits for a flood's seats
+    fleet = ledger.in_flight + elsewhere.in_flight + n  # the others' as last read (a refresh old)
+    if cap.fleet_max_in_flight and fleet > cap.fleet_max_in_flight + (cap.fleet_headroom if within else 0):
+        return False
     live = max(len(loads) if loads else replicas, 1)
     # pending prefill: within the budget, or fewer than PIPELINE unstarted requests per replica (a
     # prompt longer than a replica's budget still goes, and the next is there when it starts, so
@@ -205,11 +216,12 @@ class HeartbeatReader:
         pipe = self._client.pipeline(transaction=False)
         for rid in self._ids:
             pipe.hmget(self.keys.heartbeat(rid), *LOAD_FIELDS)
-        if self.share is not None:
+        if self.share is not None and not self._closed:  # closed: close() deletes the entry, nothing rewrites it
             pipe.hset(self.keys.flow_seats, self.gateway_id, _SEATS_ENCODER.encode(self.share()))
+            pipe.expire(self.keys.flow_seats, int(STALE_SEATS_S))  # a fleet gone uncleanly leaves no hash behind
             pipe.hgetall(self.keys.flow_seats)
         answers = await asyncio.wait_for(pipe.execute(), self.timeout_s) if len(pipe) else []
-        if self.share is not None:
+        if self.share is not None and not self._closed:
             self._elsewhere = await self._others(answers[-1])
         answers = answers[: len(self._ids)]
         self._loads = [load for values in answers if (load := parse_heartbeat(values)) is not None]

@@ -224,6 +224,7 @@ class AdapterStore:
         self.resident: OrderedDict[str, LoraWeights] = OrderedDict()  # by identity
         self.disk_reads = 0  # adapters read from disk (at registration and after an eviction)
         self.read_s = 0.0  # of those reads, a moving average of their time (routers price a load with it)
+        self.in_slot: dict[int, LoraWeights] = {}  # what each batch slot holds (LoraModel.load_slot's copy)
 
     def read(self, ref: AdapterRef) -> LoraWeights:
         """`ref`'s tensors, checked against the model, now resident (raises AdapterError)."""
@@ -235,19 +236,28 @@ class AdapterStore:
             took = time.perf_counter() - started
             self.read_s = took if not self.disk_reads else 0.8 * self.read_s + 0.2 * took
             self.disk_reads += 1
-            self.resident[ref.identity] = weights
-            while len(self.resident) > self.max_cpu_loras:
-                self.resident.popitem(last=False)
-        self.resident.move_to_end(ref.identity)
+        self._keep(weights)
         return weights
 
     def ensure(self, slot: int, ref: AdapterRef) -> None:
-        """`ref` in batch slot `slot` before a step that runs it. Read (or touched) even when the
-        slot already holds it: an adapter evicted from host memory while it sat in a slot would
-        otherwise run unlisted in `resident`, and routers would price its replica as a disk read."""
+        """`ref` in batch slot `slot` before a step that runs it. An adapter that a run-time load
+        pushed out of host memory while it sat in its slot is resident again from the slot's copy
+        (no disk read on the step path): otherwise it would run unlisted in `resident`, and
+        routers would price its replica as a disk read."""
+        held = self.in_slot.get(slot)
+        if held is not None and held.identity == ref.identity:
+            self._keep(held)
+            return
         weights = self.read(ref)
-        if self.model.slot_identity[slot] != ref.identity:
-            self.model.load_slot(slot, weights)
+        self.model.load_slot(slot, weights)
+        self.in_slot[slot] = weights
+
+    def _keep(self, weights: LoraWeights) -> None:
+        """`weights` most recently used in host memory; the least recently used beyond the cap out."""
+        self.resident[weights.identity] = weights
+        self.resident.move_to_end(weights.identity)
+        while len(self.resident) > self.max_cpu_loras:
+            self.resident.popitem(last=False)
 
     def forget(self, ref: AdapterRef) -> None:
         self.resident.pop(ref.identity, None)
