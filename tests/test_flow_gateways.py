@@ -70,4 +70,5 @@ def test_a_requests_per_minute_limit_holds_across_two_gateways(two_gateways):
         assert time.monotonic() < deadline, (ids, client.hkeys(key))
         time.sleep(0.1)
     for raw in client.hmget(key, *sorted(ids)):
-        assert msgspec.json.decode(raw, type=FlowSeats).in_flight >= 0  # the contract's type
+        entry = msgspec.json.decode(raw, type=FlowSeats)  # the contract's type
+        assert entry.anonymous == 0 and set(entry.seats) <= {"limited"}, entry  # every request had the key
