@@ -195,6 +195,8 @@ class AppConfig:
         if self.stall_timeout_s != 0 and self.stall_timeout_s <= 2 * KEEPALIVE_S:
             raise ValueError(f"stall_timeout_s must be 0 (off) or above {2 * KEEPALIVE_S:g} s (two keepalives), "
                              f"got {self.stall_timeout_s}")
+        if not self.first_token_timeout_s > 0:  # 0 or less would answer every request 504
+            raise ValueError(f"first_token_timeout_s must be > 0, got {self.first_token_timeout_s}")
         # a send per interval bounds how long a token waits; one at most a keepalive apart keeps the guard's view
         if not 0 <= self.stream_interval_ms <= KEEPALIVE_S * 1000:
             raise ValueError(f"stream_interval_ms must be in [0, {KEEPALIVE_S * 1000:g}], got {self.stream_interval_ms}")

@@ -72,6 +72,8 @@ def test_bad_settings_are_refused_with_the_setting_named(capsys):
         AppConfig(stall_timeout_s=3)
     AppConfig(stall_timeout_s=30, kv_pull_timeout_s=120)  # pulls send keepalives too
     AppConfig(stall_timeout_s=0)  # off
+    with pytest.raises(ValueError, match="first_token_timeout_s must be > 0"):
+        AppConfig.from_dict({"first_token_timeout_s": 0})
     with pytest.raises(ValueError, match="sim_service takes numbers"):
         AppConfig(sim_service={"decode_step_s": "fast"})
     with pytest.raises(ValueError, match="api_keys"):
