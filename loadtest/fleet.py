@@ -172,12 +172,13 @@ def worst_step_lag(heartbeats: list[dict[str, str]]) -> float | None:
 
 # ---- the runs ------------------------------------------------------------------------------------
 def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key_prefix: str,
-               adapters: dict[str, str] | None = None):
+               adapters: dict[str, str] | None = None, lookup_s: float | None = None):
     """The Serve app of one live run: sim replicas running the trace's service model converted
     to the block size (the engine's step budget is its prefill chunk), sped up by the wall scale,
     with the simulator's pull model, K/V tiers and adapter memory (`adapters`: name -> directory,
     as `build_adapters` makes them; as many batch slots as resident adapters, since the
-    simulator has no slot limit)."""
+    simulator has no slot limit). `lookup_s`: the router's Redis lookup budget in wall seconds
+    (default `lookup_budget_s`: production's)."""
     from gateway.config import AppConfig
 
     service = scale_service(spec.service, spec.block_size)
@@ -196,7 +197,7 @@ def app_config(spec: FleetSpec, s: RunSettings, policy: str, redis_url: str, key
         max_num_batched_tokens=service.chunk_tokens, long_prefill_token_threshold=0,  # the service model's chunk
         seed=spec.seed, gateways=spec.gateways,
         default_max_tokens=spec.max_output, max_ongoing_requests=service.max_running,
-        max_queued_requests=100_000, redis_timeout_s=lookup_budget_s(spec.wall_scale),
+        max_queued_requests=100_000, redis_timeout_s=lookup_s if lookup_s is not None else lookup_budget_s(spec.wall_scale),
         flow_control=False,  # the simulator has no gateway queue: requests reach the replicas as they arrive
     )
 
@@ -232,7 +233,7 @@ def _key_prefix(s: RunSettings, policy: str) -> str:
 
 def run_one(stack, spec: FleetSpec, s: RunSettings, policy: str, requests: list[SimRequest],
             name: str | None = None, route_prefix: str = "/", adapters: dict[str, str] | None = None,
-            key_prefix: str | None = None) -> FleetResult:
+            key_prefix: str | None = None, lookup_s: float | None = None) -> FleetResult:
     """One live run on cold replicas: the app `name` is (re)deployed with a fresh Redis key
     prefix, so neither replica caches nor the index remember an earlier run."""
     from ray import serve
@@ -241,7 +242,7 @@ def run_one(stack, spec: FleetSpec, s: RunSettings, policy: str, requests: list[
 
     name = name or APP_NAME
     prefix = key_prefix or _key_prefix(s, policy)
-    config = app_config(spec, s, policy, stack.config.redis_url, prefix, adapters)
+    config = app_config(spec, s, policy, stack.config.redis_url, prefix, adapters, lookup_s)
     t0 = time.time()
     if name in serve.status().applications:
         serve.delete(name)
