@@ -1,6 +1,6 @@
 """A request no replica starts within `first_token_timeout_s` gets a 504 with an OpenAI-style body
-and the gateway's headers, streamed or not, and gives its seat back: a live stack whose one sim
-replica is modelled to take minutes over a prompt's first step, set through a Serve config."""
+and the gateway's headers, streamed or not, and the gateway answers on: a live stack whose one
+sim replica is modelled to take minutes over a prompt's first step, set through a Serve config."""
 
 from __future__ import annotations
 

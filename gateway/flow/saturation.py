@@ -216,12 +216,13 @@ class HeartbeatReader:
         pipe = self._client.pipeline(transaction=False)
         for rid in self._ids:
             pipe.hmget(self.keys.heartbeat(rid), *LOAD_FIELDS)
-        if self.share is not None and not self._closed:  # closed: close() deletes the entry, nothing rewrites it
+        sharing = self.share is not None and not self._closed  # closed: close() deletes the entry, nothing rewrites it
+        if sharing:
             pipe.hset(self.keys.flow_seats, self.gateway_id, _SEATS_ENCODER.encode(self.share()))
             pipe.expire(self.keys.flow_seats, int(STALE_SEATS_S))  # a fleet gone uncleanly leaves no hash behind
             pipe.hgetall(self.keys.flow_seats)
         answers = await asyncio.wait_for(pipe.execute(), self.timeout_s) if len(pipe) else []
-        if self.share is not None and not self._closed:
+        if sharing:
             self._elsewhere = await self._others(answers[-1])
         answers = answers[: len(self._ids)]
         self._loads = [load for values in answers if (load := parse_heartbeat(values)) is not None]

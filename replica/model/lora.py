@@ -119,7 +119,7 @@ class LoraModel:
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int) -> None:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.targets: dict[str, tuple[LoraLinear, int]] = {}  # unfused module name -> (layer, part)
-        self.slot_identity: list[str | None] = [None] * num_slots
+        self.slot_weights: list[LoraWeights | None] = [None] * num_slots  # what each slot was loaded from
         head = model.get_output_embeddings()
         param = next(model.parameters())
         swaps = []
@@ -145,8 +145,12 @@ class LoraModel:
             return [child.out_features // 2] * 2
         return [child.out_features]
 
+    def holds(self, slot: int, identity: str) -> bool:
+        held = self.slot_weights[slot]
+        return held is not None and held.identity == identity
+
     def load_slot(self, slot: int, weights: LoraWeights) -> None:
-        if self.slot_identity[slot] == weights.identity:
+        if self.holds(slot, weights.identity):
             return
         for layer in {id(layer): layer for layer, _ in self.targets.values()}.values():
             if layer.loaded[slot]:
@@ -154,7 +158,7 @@ class LoraModel:
         for name, (a, b, scaling) in weights.modules.items():
             layer, part = self.targets[name]
             layer.put(slot, part, a, b, scaling)
-        self.slot_identity[slot] = weights.identity
+        self.slot_weights[slot] = weights
 
     def check(self, weights: LoraWeights, path: str) -> None:
         """Refuse an adapter whose tensors do not fit this model (by shapes and module names)."""
@@ -224,7 +228,6 @@ class AdapterStore:
         self.resident: OrderedDict[str, LoraWeights] = OrderedDict()  # by identity
         self.disk_reads = 0  # adapters read from disk (at registration and after an eviction)
         self.read_s = 0.0  # of those reads, a moving average of their time (routers price a load with it)
-        self.in_slot: dict[int, LoraWeights] = {}  # what each batch slot holds (LoraModel.load_slot's copy)
 
     def read(self, ref: AdapterRef) -> LoraWeights:
         """`ref`'s tensors, checked against the model, now resident (raises AdapterError)."""
@@ -244,13 +247,10 @@ class AdapterStore:
         pushed out of host memory while it sat in its slot is resident again from the slot's copy
         (no disk read on the step path): otherwise it would run unlisted in `resident`, and
         routers would price its replica as a disk read."""
-        held = self.in_slot.get(slot)
-        if held is not None and held.identity == ref.identity:
-            self._keep(held)
-            return
-        weights = self.read(ref)
-        self.model.load_slot(slot, weights)
-        self.in_slot[slot] = weights
+        if self.model.holds(slot, ref.identity):
+            self._keep(self.model.slot_weights[slot])
+        else:
+            self.model.load_slot(slot, self.read(ref))
 
     def _keep(self, weights: LoraWeights) -> None:
         """`weights` most recently used in host memory; the least recently used beyond the cap out."""
