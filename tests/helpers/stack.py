@@ -10,6 +10,7 @@ import uuid
 import httpx
 import redis
 
+from router.protocol.audit_log import Decision, read_dir
 from router.protocol.redis_schema import RedisKeys
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -45,25 +46,50 @@ def three_turn_session(stack) -> None:
     assert r.headers["x-prefixgate-route"] == "session"
 
 
-def _replica_loads(stack) -> list[dict]:
+def _replica_beats(stack) -> dict[str, dict]:
+    """Each registered replica's heartbeat hash, by replica id."""
     client = redis.Redis.from_url(stack.config.redis_url, decode_responses=True)
-    prefix = stack.config.key_prefix
-    beats = [client.hgetall(RedisKeys(prefix).heartbeat(rid)) for rid in client.smembers(RedisKeys(prefix).replicas)]
-    return [hb for hb in beats if hb]  # a killed replica's id lingers until garbage collection; its beat is gone
+    keys = RedisKeys(stack.config.key_prefix)
+    beats = {rid: client.hgetall(keys.heartbeat(rid)) for rid in client.smembers(keys.replicas)}
+    return {rid: hb for rid, hb in beats.items() if hb}  # a killed replica's id lingers until GC; its beat is gone
 
 
-def wait_idle(stack, timeout_s: float = 60) -> list[dict]:
+def _replica_loads(stack) -> list[dict]:
+    return list(_replica_beats(stack).values())
+
+
+def wait_idle(stack, timeout_s: float = 60, settled: bool = False) -> list[dict]:
     """Until every replica's heartbeat reports nothing running or waiting and no referenced block
-    (the deadline only guards against a hang): routing and abort tests start from equal loads."""
+    (the deadline only guards against a hang): routing and abort tests start from equal loads.
+    `settled`: and then until every replica has written one more idle heartbeat (0.5 s apart: a
+    write shows as the key's TTL going up), so a router's copy of the heartbeats (refreshed every
+    0.1 s) has very likely read an idle one too; a routing test still reads what its decision saw
+    from the audit (`decisions`)."""
     deadline = time.monotonic() + timeout_s
+    client = redis.Redis.from_url(stack.config.redis_url)
+    keys = RedisKeys(stack.config.key_prefix)
+    first: dict[str, int] | None = None
     while True:
-        loads = _replica_loads(stack)
+        beats = _replica_beats(stack)
+        loads = list(beats.values())
         busy = [ld for ld in loads if int(ld.get("running", 0)) or int(ld.get("waiting", 0))]
         used = [int(ld["capacity_blocks"]) - int(ld["free_blocks"]) - int(ld["cached_blocks"]) for ld in loads]
-        if loads and not busy and not any(used):
+        if not loads or busy or any(used):
+            first = None
+        elif not settled:
+            return loads
+        elif first is None:
+            first = {rid: client.pttl(keys.heartbeat(rid)) for rid in beats}
+        elif all(client.pttl(keys.heartbeat(rid)) > first.get(rid, 1 << 62) for rid in beats):
             return loads
         assert time.monotonic() < deadline, f"replicas stayed busy: {loads}"
-        time.sleep(0.25)
+        time.sleep(0.1 if first else 0.25)
+
+
+def decisions(stack) -> list[Decision]:
+    """Every routing decision the stack's routers recorded so far (the live audit the session
+    stack writes, `audit_dir` in tests/conftest.py), in the order they were written."""
+    return [r for r in read_dir(stack.config.audit_dir) if isinstance(r, Decision)]
 
 
 @contextlib.contextmanager
