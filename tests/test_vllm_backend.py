@@ -151,6 +151,19 @@ def test_bad_input_gets_an_openai_4xx_on_vllm(vllm_app, body, what):
     assert error["type"] == "invalid_request_error" and error["message"], error
 
 
+def test_a_schema_with_integers_beyond_64_bits_is_served_by_vllm(vllm_app):
+    """JSON allows any integer, and a schema may hold one in a keyword its grammar ignores; vLLM
+    sends a schema dict to its engine core with msgspec, which refuses it: every replica failed
+    the request as if its engine had died, a 503 (found by the fuzz test below)."""
+    url, _ = vllm_app
+    schema = {"type": "object", "x-limits": [6.6e16, 2**64], "": True}
+    body = {"model": MODEL, "prompt": [2], "max_tokens": 4, "n": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+
+
 @settings(FUZZ, max_examples=6)
 @given(raw=bodies(COMPLETION_FIELDS))
 def test_fuzz_completions_on_vllm(vllm_app, raw: bytes) -> None:
