@@ -218,6 +218,7 @@ def run(args, cluster: Cluster, report: dict) -> None:
     config = AppConfig(
         replicas=2, policy="prefix", redis_url=redis.url, key_prefix=key_prefix,
         kv_cache_mb=32, max_model_len=512, default_max_tokens=8,
+        redis_timeout_s=1.0,  # a loaded machine must not turn turn 2's lookup into a `stale` fallback
         replica_resources={"replica_node": 1},
         # The gateway asks for more CPUs than the worker has (4 logical on the head, 2 on the
         # worker), which keeps it on the head: AppConfig has no placement option for it.

@@ -40,6 +40,7 @@ def lora_config(stack, lora_dirs) -> AppConfig:
         redis_url=stack.config.redis_url, key_prefix=f"lora-{uuid.uuid4().hex[:6]}", replicas=2,
         num_blocks=256, max_model_len=1024, api_keys=KEYS, allow_runtime_lora_updating=True,
         lora={"tutor": lora_dirs["tutor"], "poet": lora_dirs["poet"]}, max_loras=2, max_cpu_loras=2,
+        redis_timeout_s=1.0,  # as the suite's other live apps: routing asserted, never a `stale` lookup
     )
 
 
