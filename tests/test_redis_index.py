@@ -320,3 +320,40 @@ def test_stop_ends_the_loop_when_a_call_turns_the_cancel_into_an_error(redis_url
         return len(snapshots)
 
     assert asyncio.run(asyncio.wait_for(scenario(), timeout=60)) == 1
+
+
+def test_a_request_arriving_or_finishing_is_in_the_heartbeat_before_the_period_ends(redis_url, prefix):
+    """Routers price a replica from its heartbeat: with a 60 s period, the load a request left
+    behind would be read for a minute. `load_changed` has the next flush write it."""
+    from replica.serve.publisher import BlockPublisher, PublisherConfig
+
+    load = {"running": 1, "waiting": 0}
+
+    async def snapshot():
+        return []
+
+    async def until(cond):
+        while not cond():  # bounded by the wait_for below
+            await asyncio.sleep(0.01)
+
+    async def scenario():
+        config = PublisherConfig(redis_url, "rbeat", prefix, heartbeat_s=60.0, heartbeat_ttl_s=120.0)
+        publisher = BlockPublisher(config, snapshot=snapshot, load=lambda: dict(load))
+        client = sync_client(redis_url)
+        key = RedisKeys(prefix).heartbeat("rbeat")
+        publisher.start()
+        try:
+            await until(lambda: publisher.beats and not publisher.resync_due)  # registered, resynced
+            assert client.hget(key, "running") == b"1"
+            beats = publisher.beats
+            load["running"] = 0  # the request finished
+            publisher.load_changed()
+            await until(lambda: publisher.beats > beats)
+            assert client.hget(key, "running") == b"0"
+            # without a change nothing more is written within the period
+            await asyncio.sleep(config.beat_on_change_s * 4)
+            assert publisher.beats == beats + 1
+        finally:
+            await publisher.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))

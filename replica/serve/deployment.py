@@ -90,9 +90,19 @@ class PrefixCacheReplica:
     async def generate(self, request: object, route: RouteDecision | None = None) -> AsyncIterator[bytes]:
         """The request's chunks, msgpack-encoded (the gateway decodes them with their types).
         `route` is our router's decision, passed beside the request (absent under Ray's routers)."""
-        async with contextlib.aclosing(request_chunks(self, request, route)) as chunks:
-            async for chunk in chunks:  # closed at once when Serve stops us: the engine aborts the request
-                yield encode_chunk(chunk)
+        self._load_changed()
+        try:
+            async with contextlib.aclosing(request_chunks(self, request, route)) as chunks:
+                async for chunk in chunks:  # closed at once when Serve stops us: the engine aborts the request
+                    yield encode_chunk(chunk)
+        finally:
+            self._load_changed()
+
+    def _load_changed(self) -> None:
+        """Routers price this replica's load from its heartbeat: a request arriving or leaving
+        has it written at the next flush instead of up to a heartbeat period later."""
+        if self.publisher is not None:
+            self.publisher.load_changed()
 
     async def info(self) -> dict:
         """Model facts the gateway needs, and live stats for /health and /metrics."""

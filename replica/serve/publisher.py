@@ -39,6 +39,10 @@ class PublisherConfig:
     depth: int = PUBLISH_DEPTH  # publish only the leading blocks of each prompt (64 x 16 = 1024 tokens)
     flush_s: float = 0.02
     heartbeat_s: float = 0.5
+    # a request arriving or finishing beats at the next flush, at most once per this: routers'
+    # load tables (refreshed every 0.1 s) then see an idle replica idle within about 0.15 s,
+    # not up to heartbeat_s + 0.1 s later (a holder priced as busy by a request already done)
+    beat_on_change_s: float = 0.05
     heartbeat_ttl_s: float = 3.0
     gc_s: float = 1.0  # the fleet collects garbage once per period, whatever its size
     timeout_s: float = 0.5
@@ -82,6 +86,8 @@ class BlockPublisher:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._client: Client | None = None
+        self._load_changed = False  # a request arrived or finished since the last heartbeat
+        self.beats = 0  # heartbeats written (tests wait on it)
 
     @property
     def resync_due(self) -> bool:
@@ -121,6 +127,10 @@ class BlockPublisher:
             self._events.clear()
             self._backlog = 0
 
+    def load_changed(self) -> None:
+        """A request arrived or finished: beat at the next flush (event loop thread)."""
+        self._load_changed = True
+
     # ---- background task -----------------------------------------------------------------
     def start(self) -> None:
         self._stopping = False
@@ -146,7 +156,7 @@ class BlockPublisher:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        next_beat = next_gc = 0.0
+        next_beat = next_gc = last_beat = 0.0
         bound = self.config.timeout_s * 4  # no Redis call may hang the loop (e.g. a stuck TLS handshake)
         writer: IndexWriter | None = None
         while not self._stopping:
@@ -158,9 +168,11 @@ class BlockPublisher:
                     await self._full_resync(writer, bound)
                 await asyncio.wait_for(self._flush(writer), bound)
                 now = loop.time()
-                if now >= next_beat:
+                changed = self._load_changed and now >= last_beat + self.config.beat_on_change_s
+                if now >= next_beat or changed:
+                    self._load_changed = False
                     await asyncio.wait_for(self._heartbeat(writer), bound)
-                    next_beat = now + self.config.heartbeat_s
+                    last_beat, next_beat = now, now + self.config.heartbeat_s
                 if now >= next_gc:
                     gc_ms = int(self.config.gc_s * 1000)
                     dead = await asyncio.wait_for(writer.collect_garbage(self._holder, gc_ms), bound * 4)
@@ -213,6 +225,7 @@ class BlockPublisher:
         load = self._load()
         mapping = load.to_redis() if isinstance(load, Heartbeat) else load
         lost = await writer.heartbeat(self.config.replica_id, mapping, int(self.config.heartbeat_ttl_s * 1000))
+        self.beats += 1
         if lost and not self.resync_due:
             # The heartbeat was gone: Redis restarted, or we were silent long enough for
             # garbage collection to drop our blocks. Either way, publish everything again.
