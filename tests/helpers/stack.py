@@ -61,29 +61,32 @@ def _replica_loads(stack) -> list[dict]:
 def wait_idle(stack, timeout_s: float = 60, settled: bool = False) -> list[dict]:
     """Until every replica's heartbeat reports nothing running or waiting and no referenced block
     (the deadline only guards against a hang): routing and abort tests start from equal loads.
-    `settled`: and then until every replica has written one more idle heartbeat (0.5 s apart: a
-    write shows as the key's TTL going up), so a router's copy of the heartbeats (refreshed every
-    0.1 s) has very likely read an idle one too; a routing test still reads what its decision saw
-    from the audit (`decisions`)."""
+    `settled`: and then until every replica has written one more idle heartbeat, so a router's
+    copy of the heartbeats (refreshed every 0.1 s) has very likely read an idle one too; a routing
+    test still reads what its decision saw from the audit (`decisions`). A write shows as the
+    key's TTL higher than at the previous reading (between writes it only falls)."""
     deadline = time.monotonic() + timeout_s
     client = redis.Redis.from_url(stack.config.redis_url)
     keys = RedisKeys(stack.config.key_prefix)
-    first: dict[str, int] | None = None
+    ttl: dict[str, int] = {}  # each replica's heartbeat TTL at the previous reading, while idle
+    wrote: set[str] = set()  # replicas seen writing an idle heartbeat since
     while True:
         beats = _replica_beats(stack)
         loads = list(beats.values())
         busy = [ld for ld in loads if int(ld.get("running", 0)) or int(ld.get("waiting", 0))]
         used = [int(ld["capacity_blocks"]) - int(ld["free_blocks"]) - int(ld["cached_blocks"]) for ld in loads]
         if not loads or busy or any(used):
-            first = None
+            ttl, wrote = {}, set()
         elif not settled:
             return loads
-        elif first is None:
-            first = {rid: client.pttl(keys.heartbeat(rid)) for rid in beats}
-        elif all(client.pttl(keys.heartbeat(rid)) > first.get(rid, 1 << 62) for rid in beats):
-            return loads
+        else:
+            now = {rid: client.pttl(keys.heartbeat(rid)) for rid in beats}
+            wrote |= {rid for rid, left in now.items() if rid in ttl and left > ttl[rid]}
+            ttl = now
+            if wrote >= set(beats):
+                return loads
         assert time.monotonic() < deadline, f"replicas stayed busy: {loads}"
-        time.sleep(0.1 if first else 0.25)
+        time.sleep(0.1 if ttl else 0.25)
 
 
 def decisions(stack) -> list[Decision]:
