@@ -3,14 +3,13 @@ published as held in host memory, stays routed to that replica, and comes back a
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import redis
 
 from router.protocol.media import DEVICE, HOST, member, split_entry
 from router.protocol.redis_schema import RedisKeys
-from tests.helpers.stack import chat, decisions, wait_idle
+from tests.helpers.stack import chat, decisions, wait_idle, wait_until
 
 SYSTEM = ("You are the archivist of the Lighthouse Library. You answer questions about opening hours, "
           "loans, rare books and the reading room, briefly and precisely. ") * 4
@@ -18,14 +17,6 @@ SYSTEM = ("You are the archivist of the Lighthouse Library. You answer questions
 
 def _entries(client: redis.Redis, keys: RedisKeys, rid: str) -> dict[int, str]:
     return dict(split_entry(e) for e in client.smembers(keys.blocks(rid)))
-
-
-def _wait(what: str, check, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s  # replicas publish asynchronously: wait for the index
-    while not (value := check()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-    return value
 
 
 def _push_to_host(stack, client, keys, tag: str):
@@ -37,7 +28,7 @@ def _push_to_host(stack, client, keys, tag: str):
     home = _ask(stack, question, f"tiers-{tag}").headers["x-prefixgate-replica"]
     before = before.get(home, set())
     # the prompt's blocks, as the replica published them (the first one: the system prompt's head)
-    ours = _wait("the prompt's blocks never reached the index",
+    ours = wait_until("the prompt's blocks never reached the index",
                  lambda: {h for h, m in _entries(client, keys, home).items() if m == DEVICE} - before or None)
     # push them out of the pool (64 MiB, about 1,400 tokens): long prompts of the same session
     for i in range(12):
@@ -46,7 +37,7 @@ def _push_to_host(stack, client, keys, tag: str):
         held = _entries(client, keys, home)
         if any(held.get(h) == HOST for h in ours):
             break
-    moved = _wait("no block of the prompt was published as held in the host tier",
+    moved = wait_until("no block of the prompt was published as held in the host tier",
                   lambda: {h for h, m in _entries(client, keys, home).items() if m == HOST} & ours)
     return system, home, moved
 
@@ -85,6 +76,6 @@ def test_prefix_evicted_to_host_is_published_routed_and_hit(stack):
         break
     else:
         raise AssertionError(f"the router never saw idle replicas in three tries: {tried}")
-    beat = _wait("the heartbeat never reported a measured host copy rate",
+    beat = wait_until("the heartbeat never reported a measured host copy rate",
                  lambda: (b := client.hgetall(keys.heartbeat(home))) and int(b.get("kv_host_bytes_per_s", 0)) > 0 and b)
     assert int(beat["host_capacity_blocks"]) > 0

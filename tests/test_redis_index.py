@@ -332,9 +332,10 @@ def test_a_request_arriving_or_finishing_is_in_the_heartbeat_before_the_period_e
     async def snapshot():
         return []
 
-    async def until(cond):
-        while not cond():  # bounded by the wait_for below
-            await asyncio.sleep(0.01)
+    def polled(cond):
+        async def check():
+            return cond()
+        return check
 
     async def scenario():
         config = PublisherConfig(redis_url, "rbeat", prefix, heartbeat_s=60.0, heartbeat_ttl_s=120.0)
@@ -343,12 +344,12 @@ def test_a_request_arriving_or_finishing_is_in_the_heartbeat_before_the_period_e
         key = RedisKeys(prefix).heartbeat("rbeat")
         publisher.start()
         try:
-            await until(lambda: publisher.beats and not publisher.resync_due)  # registered, resynced
+            await eventually(polled(lambda: publisher.beats and not publisher.resync_due), 30)  # registered, resynced
             assert client.hget(key, "running") == b"1"
             beats = publisher.beats
             load["running"] = 0  # the request finished
             publisher.load_changed()
-            await until(lambda: publisher.beats > beats)
+            await eventually(polled(lambda: publisher.beats > beats), 30)
             assert client.hget(key, "running") == b"0"
             # without a change nothing more is written within the period
             await asyncio.sleep(config.beat_on_change_s * 4)

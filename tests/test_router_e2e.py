@@ -9,7 +9,7 @@ import uuid
 import httpx
 
 from router.protocol.redis_schema import RedisKeys
-from tests.helpers.stack import MODEL, chat, decisions, wait_idle
+from tests.helpers.stack import MODEL, chat, decisions, wait_idle, wait_until
 
 LONG_SYSTEM = (
     "You are the support assistant of Northwind Traders. You answer questions about orders, "
@@ -43,10 +43,9 @@ def test_new_session_with_known_system_prompt_goes_where_the_prefix_is(stack):
         system = f"Orders {tag}. " + LONG_SYSTEM
         held = {rid: client.scard(keys.blocks(rid)) for rid in client.smembers(keys.replicas)}
         home = _ask(stack, f"Where is my order {tag}?", f"a-{tag}", system).headers["x-prefixgate-replica"]
-        deadline = time.monotonic() + 60  # the replica publishes its new blocks asynchronously: wait for them
-        while client.scard(keys.blocks(home)) <= held.get(home.encode(), 0):
-            assert time.monotonic() < deadline, "the first request's blocks never reached the index"
-            time.sleep(0.1)
+        blocks, had = keys.blocks(home), held.get(home.encode(), 0)  # published asynchronously: wait for them
+        wait_until("the first request's blocks never reached the index",
+                   lambda blocks=blocks, had=had: client.scard(blocks) > had)
         wait_idle(stack, settled=True)
         before = len(decisions(stack))
         r = _ask(stack, f"How do I return item {i} of {tag}?", f"b-{tag}", system)

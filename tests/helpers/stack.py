@@ -58,6 +58,16 @@ def _replica_loads(stack) -> list[dict]:
     return list(_replica_beats(stack).values())
 
 
+def wait_until(what: str, check, timeout_s: float = 60.0):
+    """Until `check()` returns something true, which is returned (replicas publish and beat
+    asynchronously); the deadline only guards against a hang and names `what` never happened."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+    return value
+
+
 def wait_idle(stack, timeout_s: float = 60, settled: bool = False) -> list[dict]:
     """Until every replica's heartbeat reports nothing running or waiting and no referenced block
     (the deadline only guards against a hang): routing and abort tests start from equal loads.
