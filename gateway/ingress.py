@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
+from gateway.http_guard import CALLBACK, CALLBACK_ENV
 from gateway.local_redis import free_port
 
 INGRESSES = ("proxy", "haproxy")
@@ -42,7 +43,8 @@ def ray_env(ingress: str, stats_port: int = 0, metrics_port: int = 0) -> dict[st
     if ingress not in INGRESSES:
         raise ValueError(f"ingress must be one of {', '.join(INGRESSES)}, not {ingress!r}")
     on = ingress == "haproxy"
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1" if on else "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if on else "0"}
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1" if on else "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if on else "0",
+           CALLBACK_ENV: CALLBACK}  # both fronts: header bytes Serve cannot decode get a 400 (gateway/http_guard.py)
     if on:
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(DEREGISTRATION_S)
         env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "60"

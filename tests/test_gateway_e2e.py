@@ -118,6 +118,22 @@ def test_bad_input_gets_openai_error(stack, name, payload, status):
     assert error["message"] and error["type"]
 
 
+@pytest.mark.parametrize("header", ["x-session-id", "x-request-id", "serve_multiplexed_model_id", "traceparent"])
+def test_a_header_that_is_not_utf8_gets_a_400_naming_it(stack, header):
+    """Serve's proxy decodes these headers as UTF-8 before the gateway sees the request: without
+    gateway/http_guard.py such bytes were a bare-text 500 from the proxy."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for method, path, kwargs in (("POST", "/v1/chat/completions", {"json": body}), ("GET", "/health", {})):
+        r = httpx.request(method, f"{stack.url}{path}", headers=[(header.encode(), b"a\xffb")], timeout=30, **kwargs)
+        assert r.status_code == 400, (path, r.status_code, r.text[:200])
+        assert r.json()["error"] == {"message": f"header {header!r} is not valid UTF-8",
+                                     "type": "invalid_request_error", "param": header, "code": None}
+    # UTF-8 beyond ASCII is fine, in these headers as in any other
+    r = httpx.post(f"{stack.url}/v1/chat/completions", headers=[(header.encode(), "café-1".encode())], json=body,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_sampling_rules_are_checked_at_the_gateway_with_the_field_named(stack):
     """A value the request schema lets through but the engines' SamplingParams refuses (here
     min_tokens above max_tokens) is a 400 naming the field, answered before any replica runs it."""

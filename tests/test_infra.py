@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gateway import http_guard
+
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
 CLUSTER_FILES = ["cluster.yaml", "cluster-onprem.yaml"]
@@ -70,6 +72,9 @@ def test_cluster_commands(name):
     port = re.search(r"ray start --head --port=(\$\{PREFIXGATE_RAY_PORT:-(\d+)\})", head)
     assert port.group(2) != "6379", "Ray's GCS must leave 6379 to Redis on the head"
     assert f"$RAY_HEAD_IP:{port.group(1)}" in workers
+    # Serve's HTTP servers on every node get the header guard (gateway/http_guard.py)
+    guard = f"{http_guard.CALLBACK_ENV}={http_guard.CALLBACK} ray start"
+    assert guard in head and guard in workers
     # Ray 2.60 enables token auth on a head: every node needs the mode and the same token.
     assert "export RAY_AUTH_MODE=token" in " ".join(config["setup_commands"])
     assert "~/.ray/auth_token" in config["file_mounts"]

@@ -17,7 +17,9 @@ def test_each_front_sets_rays_switches_both_ways():
     # a stopping gateway is held reachable only briefly: the stack's stop fits 30 s
     assert float(on["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]) == ingress.DEREGISTRATION_S < 30
     off = ingress.ray_env("proxy")  # explicit zeros: an exported 1 in the user's shell does not leak in
-    assert off == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+    assert off == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
+                   "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "gateway.http_guard.proxy_middlewares"}
+    assert on["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == off["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]
     with pytest.raises(ValueError, match="proxy, haproxy"):
         ingress.ray_env("envoy")
 

@@ -322,6 +322,9 @@ def test_ray_up_onprem_cluster_serves_chat_with_locked_redis(default_model_dir):
         })
         assert r.status_code == 200, r.text
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        # Serve's proxy on the node runs the header guard its `ray start` was given (gateway/http_guard.py)
+        r = httpx.get(f"{base}/health", headers=[(b"x-session-id", b"a\xffb")], timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-session-id", r.text
         # The replica reached Redis with the password: its heartbeat and blocks are there.
         assert any(True for _ in authed.scan_iter(match=f"{args['key_prefix']}*", count=1000))
 
