@@ -164,6 +164,55 @@ def test_a_schema_with_integers_beyond_64_bits_is_served_by_vllm(vllm_app):
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
 
 
+STREAM_FAILURES = r"""
+import json, msgspec
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+from replica.backends.vllm_backend import stream_failure
+
+def failed(cause):
+    e = EngineGenerateError()
+    e.__cause__ = cause
+    return e
+
+cases = {
+    "encode error, engine alive": (failed(msgspec.EncodeError("Integer value out of range")), True, None),
+    "overflow, engine alive": (failed(OverflowError("int too big")), True, None),
+    "encode error, engine dead": (failed(msgspec.EncodeError("x")), False, None),
+    "encode error, handed off": (failed(msgspec.EncodeError("x")), True, "replica draining"),
+    "unknown cause, engine alive": (failed(RuntimeError("boom")), True, None),
+    "engine dead": (EngineDeadError(), True, None),
+    "vLLM's validation": (VLLMValidationError("bad logprobs"), True, None),
+    "a ValueError at add_request": (ValueError("bad"), True, None),
+    "anything else": (KeyError("k"), True, None),
+}
+print(json.dumps({name: [type(r).__name__, str(r)] for name, (e, alive, off) in cases.items()
+                  for r in [stream_failure(e, engine_alive=alive, handed_off=off)]}))
+"""
+
+
+def test_a_request_vllm_fails_on_a_live_engine_is_refused_not_retried():
+    """vLLM wraps any failure of one request in EngineGenerateError, engine alive or not. Only a
+    dead engine (or a replica handing its requests off) sends the request to another replica; a
+    value, type or encoding error vLLM hit on this request's data would fail there too, so it is a
+    400 at once (it was taken for a dead engine on every replica, then a 503). The exceptions are
+    vLLM's own, built in the vLLM venv; the mapping is pure logic."""
+    done = subprocess.run([_vllm_python(), "-c", STREAM_FAILURES], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = {name: tuple(v) for name, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    assert got["encode error, engine alive"] == (
+        "InvalidRequestError", "vLLM could not run this request: EncodeError: Integer value out of range")
+    assert got["overflow, engine alive"][0] == "InvalidRequestError"
+    assert got["encode error, engine dead"][0] == "EngineDeadError"
+    assert got["encode error, handed off"] == ("EngineDeadError", "replica draining")
+    assert got["unknown cause, engine alive"] == ("EngineDeadError", "vLLM failed the request: RuntimeError('boom')")
+    assert got["engine dead"][0] == "EngineDeadError"
+    assert got["vLLM's validation"] == ("InvalidRequestError", "bad logprobs")
+    assert got["a ValueError at add_request"] == ("InvalidRequestError", "bad")
+    assert got["anything else"] == ("KeyError", "'k'")
+
+
 @settings(FUZZ, max_examples=6)
 @given(raw=bodies(COMPLETION_FIELDS))
 def test_fuzz_completions_on_vllm(vllm_app, raw: bytes) -> None:

@@ -438,22 +438,12 @@ class VllmBackend:
                 del self._inflight_blocks[h]
 
     async def _guarded(self, stream, request_id: str, state: _InFlight):
-        """vLLM's stream, with its failures as ours: a dead engine is retryable elsewhere, a
-        request vLLM refuses is a 400."""
-        from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
-        from vllm.v1.engine.exceptions import EngineGenerateError
-
+        """vLLM's stream, with its failures as ours (`stream_failure`)."""
         try:
             async for out in stream:
                 yield out
-        except VllmDead as e:
-            raise EngineDeadError(f"vLLM engine died: {e}") from None
-        except EngineGenerateError as e:
-            if state.handed_off is not None:
-                raise EngineDeadError(state.handed_off) from None
-            raise EngineDeadError(f"vLLM failed the request: {e}") from None
-        except ValueError as e:  # refused at add_request (its own validation)
-            raise InvalidRequestError(str(e)) from None
+        except Exception as e:
+            raise stream_failure(e, engine_alive=not self.engine.errored, handed_off=state.handed_off) from None
 
     def _logprobs(self, token_ids: list[int], entries, k: int) -> list[dict] | None:
         """vLLM's per-token {id: Logprob} maps (the k most likely plus the chosen one) in our
@@ -630,6 +620,32 @@ def _shape_refusal(path: str, hf_config) -> str | None:
             return (f"{f}: {name} has shape {tuple(shape)}, but the model's {module} maps {fan_in} -> {fan_out} "
                     f"(an adapter of another model?)")
     return None
+
+
+def stream_failure(error: Exception, engine_alive: bool, handed_off: str | None) -> Exception:
+    """What a failure of vLLM's `generate` stream is to the replica: EngineDeadError (another
+    replica continues the request) when the engine died or this replica handed the request off,
+    InvalidRequestError (a 400) when vLLM refused the request itself, or failed it while its
+    engine lives with a value, type or encoding error (the same request fails on every replica:
+    a big integer in a schema once did, and was taken for a dead engine on each of them, a 503).
+    Anything else is re-raised as it is."""
+    import msgspec
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    if handed_off is not None and isinstance(error, (VllmDead, EngineGenerateError)):
+        return EngineDeadError(handed_off)
+    if isinstance(error, VllmDead) or (isinstance(error, EngineGenerateError) and not engine_alive):
+        return EngineDeadError(f"vLLM engine died: {error}")
+    if isinstance(error, EngineGenerateError):
+        cause = error.__cause__
+        if isinstance(cause, (ValueError, TypeError, OverflowError, msgspec.MsgspecError)):
+            return InvalidRequestError(f"vLLM could not run this request: {type(cause).__name__}: {cause}")
+        return EngineDeadError(f"vLLM failed the request: {cause!r}")
+    if isinstance(error, (ValueError, VLLMClientError)):  # refused at add_request (its own validation)
+        return InvalidRequestError(str(error))
+    return error
 
 
 def _finish_reason(reason: str | None) -> str:
