@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import abc
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from router.protocol.sampling import MAX_LOGIT_BIAS
 
 MAX_N = 8
 MAX_STOP = 4
@@ -83,6 +86,7 @@ class _Sampling(_Strict):
     prompt_cache_key: str | None = Field(default=None, max_length=256)  # routing session key
     service_tier: Any = None  # OpenAI's: auto, default, flex, priority (checked in gateway/flow/tiers.py: 400 naming it)
     priority: int | None = None  # vLLM's extension: lower is earlier, 0 the default (gateway/flow/tiers.py)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key) -> bias in [-100, 100]
 
     @field_validator("stop")
     @classmethod
@@ -92,12 +96,30 @@ class _Sampling(_Strict):
             raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids")
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {key}")
+        return v
+
+    def bias_ids(self) -> dict[int, float]:
+        """logit_bias with its token ids as integers ({} when not given)."""
+        return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
+
     @abc.abstractmethod  # pydantic's model metaclass is an ABCMeta: the two request kinds say it their way
     def top_logprobs_requested(self) -> int | None:
         """None: no logprobs; k: the chosen token's logprob and the k most likely tokens."""
 
     def engine_params(self) -> dict[str, Any]:
-        """Penalties, logprobs and response_format as replica SamplingParams fields."""
+        """Penalties, logprobs, response_format and logit_bias as replica SamplingParams fields."""
         params: dict[str, Any] = {}
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
@@ -110,6 +132,8 @@ class _Sampling(_Strict):
         k = self.top_logprobs_requested()
         if k is not None:
             params["logprobs"] = k
+        if self.logit_bias:
+            params["logit_bias"] = self.bias_ids()
         fmt = self.response_format.engine_format() if self.response_format else None
         if fmt is not None:
             params["response_format"] = fmt
@@ -120,6 +144,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list | None = None
+    functions: list | None = None  # OpenAI's deprecated form of tools
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 

@@ -266,6 +266,9 @@ class Gateway:
                   ) -> tuple[list[AsyncIterator[dict]], list[GenerateRequest]]:
         """The request's n replica streams, not started: nothing reaches a replica before one is
         read; and their requests, whose priority is set once admission has sent them."""
+        vocab = served.prompts.vocab_size
+        if any(t >= vocab for t in body.bias_ids()):
+            raise bad_request(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         streams, reqs = [], []
         for i in range(body.n):
             params = {"max_tokens": max_tokens, "stop": list(body.stop or [])}
@@ -279,7 +282,7 @@ class Gateway:
                 params["seed"] = (body.seed + i) % 2**63
             if body.n > 1 and body.temperature is None:
                 params["temperature"] = 1.0  # n copies of a greedy answer would be identical
-            params.update(body.engine_params())  # penalties, logprobs, response_format
+            params.update(body.engine_params())  # penalties, logprobs, response_format, logit_bias
             try:  # the replicas' own rules, checked here: a bad value is a 400 naming its field
                 sampling = SamplingParams(**params)
             except InvalidParam as e:

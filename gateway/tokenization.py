@@ -76,8 +76,9 @@ class PromptBuilder:
         return self.facts
 
     def chat(self, body: ChatCompletionRequest) -> tuple[list[int], str]:
-        if body.tools:
-            raise bad_request("tools are not supported by this server", param="tools")
+        if body.tools or body.functions:
+            field = "tools" if body.tools else "functions"
+            raise bad_request(f"{field} are not supported by this server", param=field)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

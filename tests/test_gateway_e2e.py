@@ -105,6 +105,8 @@ BAD_REQUESTS = [
     ("top_logprobs without logprobs", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),
     ("empty completion prompt", {"model": MODEL, "prompt": ""}, 400),
     ("token id out of vocabulary", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400),
+    ("functions (deprecated tools)", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                      "functions": [{"name": "f", "parameters": {}}]}, 400),
 ]
 
 

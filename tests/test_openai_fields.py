@@ -206,6 +206,31 @@ def test_penalties_are_served(stack):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("presence_penalty")
 
 
+def test_logit_bias_steers_greedy_decoding(stack, engine):
+    """logit_bias as OpenAI defines it: +100 on a token makes a greedy run produce only it; -100
+    on the token a greedy run starts with makes it start otherwise; bad keys and values are 400s."""
+    word = engine.tokenizer.encode(" harbour")[0]
+    messages = [{"role": "user", "content": QUESTION}]
+    forced = _post(stack, "/v1/chat/completions", {"messages": messages, "max_tokens": 4, "temperature": 0,
+                                                   "logit_bias": {str(word): 100}})
+    assert forced.status_code == 200, forced.text
+    assert forced.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode([word] * 4)
+    ids = engine.tokenizer.encode(QUESTION)
+    top = _post(stack, "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0})
+    banned_text = top.json()["choices"][0]["text"]
+    banned = engine.tokenizer.encode(banned_text)
+    assert len(banned) == 1, f"the greedy first token {banned_text!r} does not re-encode to one id: {banned}"
+    banned = banned[0]
+    other = _post(stack, "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0,
+                                             "logit_bias": {str(banned): -100}})
+    assert other.status_code == 200, other.text
+    assert other.json()["choices"][0]["text"] != banned_text
+    for bias, what in (({"harbour": 1}, "token ids"), ({str(word): 100.5}, "[-100, 100]"),
+                       ({"99999999": 1}, "[0, ")):
+        r = _post(stack, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "logit_bias": bias})
+        assert r.status_code == 400 and what in r.json()["error"]["message"], r.text
+
+
 def test_prompt_cache_key_routes_like_a_session(stack):
     key = f"pck-{uuid.uuid4().hex[:6]}"
     # a prompt long enough that its cached blocks outweigh a queue-length reading that lags by a

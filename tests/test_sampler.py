@@ -153,6 +153,37 @@ def test_logprobs_are_the_raw_log_softmax():
     assert all(abs(v - float(raw[0, t])) < 1e-5 for t, v in out.logprobs[0].top)
 
 
+def test_logit_bias_is_added_to_its_rows_logits_only():
+    """OpenAI's logit_bias: +100 makes a token the greedy choice, -100 removes the argmax; rows
+    without a bias are untouched, ids past the vocabulary are skipped, logprobs stay raw."""
+    torch.manual_seed(4)
+    logits = torch.randn(3, 50)
+    best = int(logits[0].argmax())
+    second = int(logits[2].topk(2).indices[1])
+    rows = [Row("up", SamplingParams(logit_bias={7: 100.0, 10_000: 5.0}, logprobs=1)),
+            Row("plain", SamplingParams()),
+            Row("down", SamplingParams(logit_bias={int(logits[2].argmax()): -100.0}))]
+    out = Sampler().sample(logits, rows)
+    assert out.token_ids == [7, int(logits[1].argmax()), second]
+    assert best != 7 and out.logprobs[0].top[0][0] == best  # raw: the model's own ranking
+    assert abs(out.logprobs[0].logprob - float(torch.log_softmax(logits[0], -1)[7])) < 1e-5
+    scores = logits.clone()
+    Sampler._apply_logit_bias(scores, rows, [0])
+    expected = logits.clone()
+    expected[0, 7] += 100.0
+    assert torch.equal(scores, expected)
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {-1: 1.0}, {True: 1.0}, {1: float("nan")}, {i: 1.0 for i in range(1025)}],
+                         ids=["above 100", "negative id", "bool id", "nan", "too many"])
+def test_logit_bias_out_of_range_is_refused_naming_it(bias):
+    from router.protocol.sampling import InvalidParam
+
+    with pytest.raises(InvalidParam) as e:
+        SamplingParams(logit_bias=bias)
+    assert e.value.param == "logit_bias"
+
+
 def test_token_counts_ignore_padding():
     from replica.model.sampler import _token_counts
 

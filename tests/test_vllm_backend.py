@@ -164,6 +164,20 @@ def test_a_schema_with_integers_beyond_64_bits_is_served_by_vllm(vllm_app):
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
 
 
+def test_logit_bias_steers_vllm_as_our_engine(vllm_app, default_model_dir):
+    """logit_bias reaches vLLM's sampler: +100 on a token makes a greedy run produce only it."""
+    from transformers import AutoTokenizer
+
+    url, _ = vllm_app
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    word = tok.encode(" harbour")[0]
+    body = {"model": MODEL, "prompt": "List the numbers from one to twenty.", "max_tokens": 4, "temperature": 0,
+            "logit_bias": {str(word): 100}}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tok.decode([word] * 4)
+
+
 STREAM_FAILURES = r"""
 import json, msgspec
 from vllm.exceptions import VLLMValidationError

@@ -259,6 +259,7 @@ class VllmBackend:
             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty, logprobs=params.logprobs,
             structured_outputs=structured, output_kind=RequestOutputKind.DELTA,
+            logit_bias=dict(params.logit_bias) or None,
         )
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,

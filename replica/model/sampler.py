@@ -1,8 +1,8 @@
 """Next-token choice for a whole batch on the logits' device.
 
 Per step: raw log-softmax for the requests that asked for logprobs (vLLM's default "raw"
-logprobs: the model's own distribution, before any penalty, temperature or mask), the grammar
-bitmask of constrained requests, penalties, then greedy argmax or temperature / top-k / top-p
+logprobs: the model's own distribution, before any bias, penalty, temperature or mask),
+logit_bias, min_tokens' masks, the grammar bitmask of constrained requests, penalties, then greedy argmax or temperature / top-k / top-p
 sampling. Every row is handled by batched tensor ops; the only device-to-host copy is the one
 `tolist()` of the results at the end. Seeded requests draw their noise from their own
 torch.Generator, so a request's tokens do not depend on what else shares the batch.
@@ -101,7 +101,9 @@ class Sampler:
 
         # masks and penalties write in place: never into the runner's own output
         early = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
-        scores = logits.clone() if early or any(p.penalized or p.constrained for p in params) else logits
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        scores = logits.clone() if early or biased or any(p.penalized or p.constrained for p in params) else logits
+        self._apply_logit_bias(scores, rows, biased)
         self._apply_min_tokens(scores, rows, early)
         self._apply_grammar(scores, rows)
         self._apply_penalties(scores, rows)
@@ -135,6 +137,17 @@ class Sampler:
             if matcher is not None:
                 matcher.accept(token)
         return SamplerOutput(token_list, lp_rows)
+
+    @staticmethod
+    def _apply_logit_bias(scores: torch.Tensor, rows: list[Row], biased: list[int]) -> None:
+        """OpenAI's logit_bias: each listed token's bias added to its logit (ids past this
+        model's vocabulary were refused at the gateway; here they are skipped)."""
+        vocab = scores.shape[-1]
+        for i in biased:
+            items = [(t, b) for t, b in rows[i].params.logit_bias.items() if t < vocab]
+            if items:
+                ids = torch.tensor([t for t, _ in items], device=scores.device)
+                scores[i].index_add_(0, ids, torch.tensor([b for _, b in items], device=scores.device, dtype=scores.dtype))
 
     def _apply_min_tokens(self, scores: torch.Tensor, rows: list[Row], early: list[int]) -> None:
         """vLLM's min_tokens: until a request has that many tokens, its end-of-sequence ids (unless

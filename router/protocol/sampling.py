@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs and vLLM's default cap
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI's range per bias: [-100, 100])
 
 
 class InvalidParam(ValueError):
@@ -41,6 +42,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
     # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}: constrained decoding
     response_format: dict[str, Any] | None = None
+    # OpenAI's: token id -> a number in [-100, 100] added to its logit before sampling
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -49,6 +52,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.stop = [self.stop]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.logit_bias is None:
+            self.logit_bias = {}
         self.validate()
 
     def validate(self) -> None:
@@ -81,6 +86,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise InvalidParam("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 or not _real(b) or not -100.0 <= b <= 100.0
+            for t, b in self.logit_bias.items()
+        ):
+            raise InvalidParam("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers in "
+                                             "[-100, 100]")
         rf = self.response_format
         if rf is not None:
             kind = rf.get("type") if isinstance(rf, dict) else None

@@ -173,6 +173,9 @@ COMMON: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
     "frequency_penalty": (st.one_of(st.none(), st.floats(-2.0, 2.0)), _floats),
     "repetition_penalty": (st.one_of(st.none(), st.floats(0.5, 2.0)), _floats),
     "prompt_cache_key": (_text, st.text(min_size=257, max_size=300)),
+    "logit_bias": (st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100.0, 100.0), max_size=4),
+                   st.one_of(JUNK, st.dictionaries(st.one_of(_text, st.integers(VOCAB, 2**70).map(str)), JUNK,
+                                                   min_size=1, max_size=3))),
     "response_format": (
         st.sampled_from([None, {"type": "text"}, {"type": "json_object"},
                          {"type": "json_schema", "json_schema": {"name": "x", "schema": {
