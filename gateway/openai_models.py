@@ -13,6 +13,7 @@ from router.protocol.sampling import MAX_LOGIT_BIAS
 MAX_N = 8
 MAX_STOP = 4
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
+MAX_SESSION_KEY = 256  # characters of a routing session key, from any of its three sources
 
 
 class _Strict(BaseModel):
@@ -76,14 +77,14 @@ class _Sampling(_Strict):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(default=None, max_length=256)
+    user: str | None = Field(default=None, max_length=MAX_SESSION_KEY)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # vLLM's extension
     ignore_eos: bool | None = None  # vLLM's extension (benchmark clients send it)
     min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extension: no stop before this many tokens
     response_format: ResponseFormat | None = None
-    prompt_cache_key: str | None = Field(default=None, max_length=256)  # routing session key
+    prompt_cache_key: str | None = Field(default=None, max_length=MAX_SESSION_KEY)  # routing session key
     service_tier: Any = None  # OpenAI's: auto, default, flex, priority (checked in gateway/flow/tiers.py: 400 naming it)
     priority: int | None = None  # vLLM's extension: lower is earlier, 0 the default (gateway/flow/tiers.py)
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key) -> bias in [-100, 100]
@@ -177,5 +178,9 @@ class CompletionRequest(_Sampling):
 
 def routing_session(header: str | None, body: _Sampling) -> str | None:
     """The key that keeps a conversation on one replica: the x-session-id header, else
-    prompt_cache_key (OpenAI's field for exactly this), else user."""
+    prompt_cache_key (OpenAI's field for exactly this), else user. Each is at most
+    MAX_SESSION_KEY characters: routers and Redis keep one entry per key (ValueError naming the
+    header when it is longer; the body's fields are checked by the schema)."""
+    if header is not None and len(header) > MAX_SESSION_KEY:
+        raise ValueError(f"x-session-id must be at most {MAX_SESSION_KEY} characters, got {len(header)}")
     return header or body.prompt_cache_key or body.user or None

@@ -321,7 +321,10 @@ class Gateway:
             else:
                 prompt_ids, prompt_text = prompts.completion(body)
             # the routing session key: x-session-id > prompt_cache_key (OpenAI's field for it) > user
-            session = routing_session(request.headers.get("x-session-id"), body)
+            try:
+                session = routing_session(request.headers.get("x-session-id"), body)
+            except ValueError as e:
+                raise bad_request(str(e), param="x-session-id") from None
             if session and tenant:
                 session = f"{tenant}/{session}"  # one tenant cannot steer another's sessions
             max_tokens = prompts.check_length(prompt_ids, body.requested_max_tokens())

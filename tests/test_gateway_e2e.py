@@ -136,6 +136,17 @@ def test_a_header_that_is_not_utf8_gets_a_400_naming_it(stack, header):
     assert r.status_code == 200, r.text
 
 
+def test_a_session_key_longer_than_256_characters_is_refused(stack):
+    """Routers and Redis keep an entry per session key: the header is bounded as the body's
+    prompt_cache_key and user are (a 60 KB x-session-id was accepted and stored)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers={"x-session-id": "s" * 257}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "x-session-id" and "256" in r.json()["error"]["message"]
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers={"x-session-id": "s" * 256}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_sampling_rules_are_checked_at_the_gateway_with_the_field_named(stack):
     """A value the request schema lets through but the engines' SamplingParams refuses (here
     min_tokens above max_tokens) is a 400 naming the field, answered before any replica runs it."""
