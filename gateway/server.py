@@ -382,6 +382,18 @@ class Gateway:
             data += served.card()
         return {"object": "list", "data": data}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(self, request: Request, model_id: str):
+        """OpenAI's retrieve-model: the one card `/v1/models` lists under this id (a model or an
+        adapter; ids may hold slashes), else 404 `model_not_found`."""
+        listed = await self.models(request)
+        for card in listed["data"]:
+            if card["id"] == model_id:
+                return card
+        names = ", ".join(card["id"] for card in listed["data"])
+        raise APIError(404, f"The model `{model_id}` does not exist. Served: {names}", param="model",
+                       code="model_not_found")
+
     # ---- LoRA adapters at run time (vLLM's admin endpoints) -------------------------------
     def _admin(self, request: Request) -> None:
         if not self.config.allow_runtime_lora_updating:

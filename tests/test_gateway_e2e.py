@@ -65,6 +65,8 @@ def test_official_openai_client(stack):
 
     client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list()] == [MODEL]
+    card = client.models.retrieve(MODEL)  # GET /v1/models/{id}: the same card
+    assert card.id == MODEL and card.object == "model"
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
     assert "Paris" in resp.choices[0].message.content
@@ -82,6 +84,8 @@ def test_official_openai_client(stack):
 
     with pytest.raises(NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=messages)
+    with pytest.raises(NotFoundError, match="`gpt-4` does not exist"):
+        client.models.retrieve("gpt-4")
     with pytest.raises(BadRequestError):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=-1)
 

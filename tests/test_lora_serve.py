@@ -66,6 +66,9 @@ def test_models_lists_the_base_and_every_adapter(lora_app, lora_dirs):
     assert set(by_id) == {DEFAULT_MODEL_NAME, "tutor", "poet"}
     assert by_id["tutor"]["parent"] == DEFAULT_MODEL_NAME and by_id[DEFAULT_MODEL_NAME]["parent"] is None
     assert by_id["poet"]["root"] == lora_dirs["poet"] and by_id["poet"]["max_model_len"] == 1024
+    for name in by_id:  # OpenAI's retrieve-model answers each with the card the list holds
+        r = httpx.get(f"{lora_app}/v1/models/{name}", headers=USER, timeout=60)
+        assert r.status_code == 200 and r.json() == by_id[name], r.text
 
 
 def test_adapter_output_equals_peft_model(lora_app, lora_dirs, default_model_dir):
