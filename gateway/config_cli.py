@@ -112,8 +112,14 @@ def config_values(args: argparse.Namespace) -> dict[str, Any]:
             out.update(_models(value))
             continue
         if f.metadata.get("cli") == "json-file":
-            with open(value) as fh:
-                value = json.load(fh)
+            flag = "--" + f.name.replace("_", "-")
+            try:
+                with open(value) as fh:
+                    value = json.load(fh)
+            except OSError as e:
+                raise ValueError(f"{flag} {value}: cannot read it ({e.strerror})") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag} {value}: not JSON ({e})") from None
         elif isinstance(value, list):  # a dict field given as repeated items
             merged: dict = {}
             for item in value:

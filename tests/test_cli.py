@@ -196,6 +196,22 @@ def test_noisy_neighbour_flood_client_runs_at_the_servers_niceness():
         assert w.flood_requests == 0 and not w.quiet_ttft_ms
 
 
+def test_an_api_keys_file_that_cannot_be_read_is_refused_by_name(tmp_path):
+    """`serve --api-keys FILE`: a missing file, one that is not JSON, or one of the wrong shape is
+    a clear error naming the flag and the file (exit 2) before anything starts; a missing file
+    was a traceback."""
+    bad = tmp_path / "keys.json"
+    bad.write_text("{bad")
+    for path, why in ((tmp_path / "missing.json", "cannot read it (No such file or directory)"),
+                      (bad, "not JSON (Expecting property name")):
+        r = prefixgate("serve", "--engine", "sim", "--api-keys", str(path))
+        assert r.returncode == 2 and f"--api-keys {path}: {why}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    bad.write_text('{"sk-a": 5}')
+    r = prefixgate("serve", "--engine", "sim", "--api-keys", str(bad))
+    assert r.returncode == 2 and "expected a tenant name or an object" in r.stderr, r.stderr
+
+
 def test_bench_config_option_as_a_user_types_it():
     """`--config KEY=JSON` reaches the stack's AppConfig fields; a malformed one is refused by
     the parser, named, before any stack starts."""
