@@ -11,6 +11,7 @@ from gateway.config import AppConfig
 from gateway.config_cli import add_config_args, config_values
 from gateway.fleet_args import add_fleet_args, sim_service_overrides
 from gateway.ingress import DEFAULT_INGRESS, INGRESSES
+from gateway.local_redis import port_in_use
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +67,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.ray_address and args.ingress != DEFAULT_INGRESS:
             print(f"[prefixgate] --ingress {args.ingress} applies to a Ray this command starts: a cluster joined with "
                   "--ray-address takes it from its nodes' environment (docs/deploy.md)", file=sys.stderr)
+            return 2
+        taken = [f"--{flag} {port}" for flag, port in (("port", args.port), ("metrics-port", args.metrics_port))
+                 if port and not args.ray_address and port_in_use(args.host if flag == "port" else "127.0.0.1", port)]
+        if taken:
+            print(f"[prefixgate] {', '.join(taken)}: in use by another process on this machine", file=sys.stderr)
             return 2
         stack = LocalStack(config, port=args.port, host=args.host, ray_address=args.ray_address,
                            metrics_port=args.metrics_port, ingress=args.ingress)

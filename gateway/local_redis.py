@@ -18,6 +18,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something already listens on (host, port): a stack refuses to start there rather
+    than fail half-way up when Serve cannot bind it."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 class LocalRedis:
     def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()

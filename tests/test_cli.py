@@ -212,6 +212,23 @@ def test_an_api_keys_file_that_cannot_be_read_is_refused_by_name(tmp_path):
     assert r.returncode == 2 and "expected a tenant name or an object" in r.stderr, r.stderr
 
 
+def test_serve_on_a_port_in_use_is_refused_before_anything_starts():
+    """A port another process listens on is named and refused (exit 2) before Ray starts; it
+    was a Serve traceback after the whole stack had come up and gone down again."""
+    import socket
+
+    with socket.socket() as held, socket.socket() as metrics:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        metrics.bind(("127.0.0.1", 0))
+        metrics.listen()
+        port, metrics_port = held.getsockname()[1], metrics.getsockname()[1]
+        r = prefixgate("serve", "--engine", "sim", "--port", str(port), "--metrics-port", str(metrics_port))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"--port {port}, --metrics-port {metrics_port}: in use by another process" in r.stderr, r.stderr
+    assert "starting:" not in r.stdout and "Traceback" not in r.stderr
+
+
 def test_bench_config_option_as_a_user_types_it():
     """`--config KEY=JSON` reaches the stack's AppConfig fields; a malformed one is refused by
     the parser, named, before any stack starts."""
