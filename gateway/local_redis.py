@@ -21,7 +21,7 @@ def free_port() -> int:
 def port_in_use(host: str, port: int) -> bool:
     """Whether something already listens on (host, port): a stack refuses to start there rather
     than fail half-way up when Serve cannot bind it."""
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
