@@ -120,6 +120,7 @@ class Settings:
     vllm_block_size: int = 32
     ours_block_size: int = 16
     max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None  # every row's engine step budget (None: each system's default)
     model_name: str = MODEL_NAME
     model: str = ""  # model directory (resolved at start)
     bench: BenchSpec = field(default_factory=BenchSpec)
@@ -395,6 +396,8 @@ def system_for(name: str, s: Settings, args: argparse.Namespace, audit_dir: Path
                 "--policy", DEFAULT_POLICY, "--block-size", str(block), "--num-blocks", str(s.num_blocks(block)),
                 "--max-model-len", str(s.max_model_len), "--model", s.model, "--model-name", s.model_name,
                 "--port", str(port), "--metrics-port", str(mport), "--ingress", args.ingress]
+        if s.max_num_batched_tokens:
+            argv += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
         if audit_dir is not None:
             argv += ["--audit-dir", str(audit_dir)]
         return System(name, argv, port, mport, "[prefixgate] serving until Ctrl-C", audit_dir=audit_dir, block_size=block)
@@ -403,6 +406,8 @@ def system_for(name: str, s: Settings, args: argparse.Namespace, audit_dir: Path
             "--replicas", str(s.replicas), "--block-size", str(s.vllm_block_size),
             "--num-blocks", str(s.num_blocks(s.vllm_block_size)), "--max-model-len", str(s.max_model_len),
             "--model", s.model, "--model-name", s.model_name, "--port", str(port), "--metrics-port", str(mport)]
+    if s.max_num_batched_tokens:
+        argv += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
     return System(name, argv, port, mport, "[ray-llm] ready", env=dict(KV_ENV) if router == "kv" else {})
 
 
@@ -715,6 +720,8 @@ def add_parser(sub) -> None:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--pool-tokens", type=int, default=6144, help="K/V pool per replica in tokens (192 blocks of 32)")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="every row's engine step budget (default: each system's own: prefixgate 512, vLLM 2048 on CPU)")
     p.add_argument("--model", default=None, help="model directory (default: the bundled converted SmolLM2-135M-Instruct)")
     p.add_argument("--model-name", default=MODEL_NAME, help="served model name on every row")
     p.add_argument("--ingress", choices=INGRESSES, default=DEFAULT_INGRESS,
@@ -749,7 +756,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                       num_prompts=args.num_prompts or (32 if args.quick else 128),
                       max_concurrency=args.max_concurrency, seed=args.seed)
     return Settings(replicas=args.replicas, pool_tokens=args.pool_tokens, max_model_len=args.max_model_len,
-                    model_name=args.model_name, model=args.model or "", bench=bench,
+                    max_num_batched_tokens=args.max_num_batched_tokens, model_name=args.model_name, model=args.model or "", bench=bench,
                     chat=chat_overrides(chat_load(args.quick), args.chat_set))
 
 

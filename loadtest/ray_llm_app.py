@@ -59,6 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": True, "num_gpu_blocks_override": args.num_blocks,
         "max_model_len": args.max_model_len, "gpu_memory_utilization": 0.5,
         "seed": 0,
+        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
     }
 
 
@@ -148,7 +149,7 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"not ready after {timeout_s:.0f}s: {last}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--router", choices=list(ROUTERS), default="prefix")
     p.add_argument("--model", default=None, help="model directory (default: the bundled converted SmolLM2)")
@@ -159,11 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=192, help="K/V blocks per replica (num_gpu_blocks_override)")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="vLLM's step budget (default: vLLM's own, 2048 on CPU)")
     p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the Ray node (scheduling only)")
     p.add_argument("--timeout", type=float, default=900.0, help="start-up limit, seconds")
     p.add_argument("--kv-events-port-base", type=int, default=None, help="--router kv: default a free one")
     p.add_argument("--kv-token-port-base", type=int, default=None, help="--router kv: default a free one")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.router == "kv":
         # before anything imports Ray: Serve's and Serve LLM's constants read these at import
         os.environ.update(KV_ENV)

@@ -142,7 +142,7 @@ def test_bench_command_line():
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(quick=False, prefix_len=512, suffix_len=64, num_prefixes=None, output_len=16, num_prompts=None,
-                max_concurrency=8, seed=0, replicas=2, pool_tokens=6144, max_model_len=2048,
+                max_concurrency=8, seed=0, replicas=2, pool_tokens=6144, max_model_len=2048, max_num_batched_tokens=None,
                 model_name=h.MODEL_NAME, model="/models/smol", chat_set=[], prefixgate="/venv/bin/prefixgate",
                 vllm_python="/venv-vllm/bin/python", ingress="proxy")
     base.update(kw)
@@ -280,6 +280,26 @@ def test_cli_accepts_the_kv_system(capsys):
     assert h.system_for("prefixgate-vllm", s, typed).argv[-2:] == ["--ingress", "haproxy"]
     systems = [x.strip() for x in args.systems.split(",")]
     assert all(x in h.SYSTEMS for x in systems)
+
+
+def test_one_step_budget_for_every_row_as_a_user_sets_it():
+    """`--max-num-batched-tokens N` gives every row's engines the same step budget (by default
+    each system keeps its own: prefixgate 512, vLLM 2048 on CPU), down to the kwargs Ray Serve
+    LLM's app hands vLLM."""
+    from loadtest import ray_llm_app
+
+    parser = argparse.ArgumentParser()
+    h.add_parser(parser.add_subparsers())
+    typed = parser.parse_args(["headtohead", "--max-num-batched-tokens", "1024"])
+    s = h.settings_from_args(typed)
+    ours = h.system_for("prefixgate-vllm", s, typed).argv
+    assert ours[ours.index("--max-num-batched-tokens") + 1] == "1024"
+    ray = h.system_for("ray-llm-prefix", s, typed).argv
+    assert ray_llm_app.engine_kwargs(ray_llm_app.parse_args(ray[2:]))["max_num_batched_tokens"] == 1024
+    default = h.settings_from_args(parser.parse_args(["headtohead"]))
+    assert "--max-num-batched-tokens" not in h.system_for("prefixgate-vllm", default, typed).argv
+    ray = h.system_for("ray-llm-kv", default, typed).argv
+    assert "max_num_batched_tokens" not in ray_llm_app.engine_kwargs(ray_llm_app.parse_args(ray[2:]))
 
 
 def test_unknown_system_is_refused(capsys):
