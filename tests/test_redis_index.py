@@ -4,6 +4,7 @@ lookup, eviction, death and fleet-wide garbage collection, resync."""
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 
 import pytest
@@ -351,8 +352,10 @@ def test_a_request_arriving_or_finishing_is_in_the_heartbeat_before_the_period_e
             publisher.load_changed()
             await eventually(polled(lambda: publisher.beats > beats), 30)
             assert client.hget(key, "running") == b"0"
-            # without a change nothing more is written within the period
-            await asyncio.sleep(config.beat_on_change_s * 4)
+            # without a change nothing more is written within the period: enough loop passes
+            # (each pauses flush_s) for the change throttle to have let another write through
+            rounds, passes = publisher.rounds, math.ceil(config.beat_on_change_s / config.flush_s) + 2
+            await eventually(polled(lambda: publisher.rounds >= rounds + passes), 30)
             assert publisher.beats == beats + 1
         finally:
             await publisher.stop()

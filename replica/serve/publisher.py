@@ -88,6 +88,7 @@ class BlockPublisher:
         self._client: Client | None = None
         self._load_changed = False  # a request arrived or finished since the last heartbeat
         self.beats = 0  # heartbeats written (tests wait on it)
+        self.rounds = 0  # passes of the publishing loop, each followed by a flush_s pause (tests wait on it)
 
     @property
     def resync_due(self) -> bool:
@@ -182,6 +183,7 @@ class BlockPublisher:
                     next_gc = now + self.config.gc_s
                 self.stats.connected = True
                 await asyncio.sleep(self.config.flush_s)
+                self.rounds += 1
             except (Exception, asyncio.CancelledError) as e:  # never let publishing die
                 task = asyncio.current_task()
                 if self._stopping or task is None or task.cancelling():

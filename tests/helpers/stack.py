@@ -63,7 +63,8 @@ def wait_until(what: str, check, timeout_s: float = 60.0):
     asynchronously); the deadline only guards against a hang and names `what` never happened."""
     deadline = time.monotonic() + timeout_s
     while not (value := check()):
-        assert time.monotonic() < deadline, what
+        if time.monotonic() > deadline:  # a hang guard, not a timing assertion
+            raise TimeoutError(f"never happened: {what}")
         time.sleep(0.1)
     return value
 
@@ -95,7 +96,8 @@ def wait_idle(stack, timeout_s: float = 60, settled: bool = False) -> list[dict]
             ttl = now
             if wrote >= set(beats):
                 return loads
-        assert time.monotonic() < deadline, f"replicas stayed busy: {loads}"
+        if time.monotonic() > deadline:  # a hang guard, not a timing assertion
+            raise TimeoutError(f"replicas stayed busy: {loads}")
         time.sleep(0.1 if ttl else 0.25)
 
 
