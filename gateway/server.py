@@ -74,6 +74,11 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return APIError(500, "internal error", "server_error").response()
 
 
+def model_not_found(name: str, served: list[str]) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist. Served: {', '.join(served)}", param="model",
+                    code="model_not_found")
+
+
 def _describe(errors) -> str:
     first = errors[0] if errors else {}
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
@@ -219,9 +224,7 @@ class Gateway:
             ref = await served.adapters.resolve(name) if served.config.lora_enabled else None
             if ref is not None:
                 return served, ref
-        names = [n for s in self.served.values() for n in (s.name, *sorted(s.adapters.known()))]
-        raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(names)}", param="model",
-                       code="model_not_found")
+        raise model_not_found(name, [n for s in self.served.values() for n in (s.name, *sorted(s.adapters.known()))])
 
     def _key(self, request: Request) -> KeySpec | None:
         """The request's API key (None when the app has none configured); 401 for a wrong one."""
@@ -266,8 +269,9 @@ class Gateway:
                   ) -> tuple[list[AsyncIterator[dict]], list[GenerateRequest]]:
         """The request's n replica streams, not started: nothing reaches a replica before one is
         read; and their requests, whose priority is set once admission has sent them."""
+        engine_params = body.engine_params()  # penalties, logprobs, response_format, logit_bias: the same for each choice
         vocab = served.prompts.vocab_size
-        if any(t >= vocab for t in body.bias_ids()):
+        if any(t >= vocab for t in engine_params.get("logit_bias", ())):
             raise bad_request(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         streams, reqs = [], []
         for i in range(body.n):
@@ -282,7 +286,7 @@ class Gateway:
                 params["seed"] = (body.seed + i) % 2**63
             if body.n > 1 and body.temperature is None:
                 params["temperature"] = 1.0  # n copies of a greedy answer would be identical
-            params.update(body.engine_params())  # penalties, logprobs, response_format, logit_bias
+            params.update(engine_params)
             try:  # the replicas' own rules, checked here: a bad value is a 400 naming its field
                 sampling = SamplingParams(**params)
             except InvalidParam as e:
@@ -390,9 +394,7 @@ class Gateway:
         for card in listed["data"]:
             if card["id"] == model_id:
                 return card
-        names = ", ".join(card["id"] for card in listed["data"])
-        raise APIError(404, f"The model `{model_id}` does not exist. Served: {names}", param="model",
-                       code="model_not_found")
+        raise model_not_found(model_id, [card["id"] for card in listed["data"]])
 
     # ---- LoRA adapters at run time (vLLM's admin endpoints) -------------------------------
     def _admin(self, request: Request) -> None:

@@ -168,7 +168,7 @@ def test_logit_bias_is_added_to_its_rows_logits_only():
     assert best != 7 and out.logprobs[0].top[0][0] == best  # raw: the model's own ranking
     assert abs(out.logprobs[0].logprob - float(torch.log_softmax(logits[0], -1)[7])) < 1e-5
     scores = logits.clone()
-    Sampler._apply_logit_bias(scores, rows, [0])
+    Sampler()._apply_logit_bias(scores, rows, [0])
     expected = logits.clone()
     expected[0, 7] += 100.0
     assert torch.equal(scores, expected)

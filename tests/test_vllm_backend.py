@@ -178,6 +178,25 @@ def test_logit_bias_steers_vllm_as_our_engine(vllm_app, default_model_dir):
     assert r.json()["choices"][0]["text"] == tok.decode([word] * 4)
 
 
+def test_logprobs_of_impossible_tokens_are_json_on_vllm(vllm_app):
+    """vLLM reports -inf for a token it made impossible (here under a grammar, top_k and logit
+    biases); JSON has no -inf, and the gateway's response failed to encode: a 500 (found by the
+    fuzz test below). Such a logprob is LOGPROB_FLOOR, as our engine reports it."""
+    url, _ = vllm_app
+    body = {"model": MODEL, "prompt": [4918, 13722, 47717, 21934, 1, 447], "max_tokens": 3, "n": 3, "logprobs": 9,
+            "logit_bias": {"9858": -42.3, "214": -2.97, "4210": 24.17}, "presence_penalty": 0.46,
+            "repetition_penalty": 1.53, "temperature": 1.05, "top_k": 22, "seed": 79460113187, "stop": "C",
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"a": {"type": "integer"}}}}}}
+    for _ in range(3):
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            lp = choice["logprobs"]
+            assert all(v >= -9999.0 for v in lp["token_logprobs"]), lp
+            assert all(v >= -9999.0 for top in lp["top_logprobs"] for v in top.values()), lp
+
+
 STREAM_FAILURES = r"""
 import json, msgspec
 from vllm.exceptions import VLLMValidationError

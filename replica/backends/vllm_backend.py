@@ -448,9 +448,12 @@ class VllmBackend:
 
     def _logprobs(self, token_ids: list[int], entries, k: int) -> list[dict] | None:
         """vLLM's per-token {id: Logprob} maps (the k most likely plus the chosen one) in our
-        wire form (replica/model/token_text.py)."""
+        wire form (replica/model/token_text.py), impossible tokens at LOGPROB_FLOOR as our
+        engine reports them (JSON has no -inf: vLLM's -inf was a 500 at the gateway)."""
         if not entries:
             return None
+        from replica.model.sampler import finite_logprob
+
         if self._token_text is None:
             from replica.model.token_text import TokenText
 
@@ -459,7 +462,7 @@ class VllmBackend:
 
         def wire(token_id: int, logprob: float) -> dict:
             text, raw = tt.text_and_bytes(token_id)
-            return {"token_id": token_id, "token": text, "bytes": raw, "logprob": float(logprob)}
+            return {"token_id": token_id, "token": text, "bytes": raw, "logprob": finite_logprob(float(logprob))}
 
         out = []
         for token_id, entry in zip(token_ids, entries, strict=False):

@@ -2,8 +2,8 @@
 
 Per step: raw log-softmax for the requests that asked for logprobs (vLLM's default "raw"
 logprobs: the model's own distribution, before any bias, penalty, temperature or mask),
-logit_bias, min_tokens' masks, the grammar bitmask of constrained requests, penalties, then greedy argmax or temperature / top-k / top-p
-sampling. Every row is handled by batched tensor ops; the only device-to-host copy is the one
+logit_bias, min_tokens' masks, the grammar bitmask of constrained requests, penalties, then
+greedy argmax or temperature / top-k / top-p sampling. Every row is handled by batched tensor ops; the only device-to-host copy is the one
 `tolist()` of the results at the end. Seeded requests draw their noise from their own
 torch.Generator, so a request's tokens do not depend on what else shares the batch.
 """
@@ -58,6 +58,7 @@ class Sampler:
         self._matchers: dict[str, GrammarMatcher] = {}
         self._device_generators: dict[tuple[str, str], torch.Generator] = {}
         self._shared: dict[str, torch.Generator] = {}
+        self._biases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # logit_bias ids and values, per request
 
     # ---- per-request state ---------------------------------------------------------------
     def add(self, row: Row) -> None:
@@ -76,6 +77,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        self._biases.pop(request_id, None)
 
     def _generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
         gen = self._generators.get(request_id)
@@ -127,8 +129,8 @@ class Sampler:
             for j, i in enumerate(want_lp):
                 kk = params[i].logprobs
                 lp_rows[i] = TokenLogprob(
-                    token_list[i], _finite(chosen_list[j]),
-                    [(t, _finite(v)) for t, v in zip(top_id_list[j][:kk], top_lp_list[j][:kk], strict=True)],
+                    token_list[i], finite_logprob(chosen_list[j]),
+                    [(t, finite_logprob(v)) for t, v in zip(top_id_list[j][:kk], top_lp_list[j][:kk], strict=True)],
                 )
         else:
             token_list = tokens.tolist()
@@ -138,16 +140,18 @@ class Sampler:
                 matcher.accept(token)
         return SamplerOutput(token_list, lp_rows)
 
-    @staticmethod
-    def _apply_logit_bias(scores: torch.Tensor, rows: list[Row], biased: list[int]) -> None:
+    def _apply_logit_bias(self, scores: torch.Tensor, rows: list[Row], biased: list[int]) -> None:
         """OpenAI's logit_bias: each listed token's bias added to its logit (ids past this
-        model's vocabulary were refused at the gateway; here they are skipped)."""
-        vocab = scores.shape[-1]
+        model's vocabulary were refused at the gateway; here they are skipped). A request's ids
+        and values become tensors on its first step, not on every step."""
         for i in biased:
-            items = [(t, b) for t, b in rows[i].params.logit_bias.items() if t < vocab]
-            if items:
-                ids = torch.tensor([t for t, _ in items], device=scores.device)
-                scores[i].index_add_(0, ids, torch.tensor([b for _, b in items], device=scores.device, dtype=scores.dtype))
+            bias = self._biases.get(rows[i].request_id)
+            if bias is None:
+                items = [(t, b) for t, b in rows[i].params.logit_bias.items() if t < scores.shape[-1]]
+                bias = self._biases[rows[i].request_id] = (
+                    torch.tensor([t for t, _ in items], dtype=torch.long, device=scores.device),
+                    torch.tensor([b for _, b in items], dtype=scores.dtype, device=scores.device))
+            scores[i].index_add_(0, *bias)
 
     def _apply_min_tokens(self, scores: torch.Tensor, rows: list[Row], early: list[int]) -> None:
         """vLLM's min_tokens: until a request has that many tokens, its end-of-sequence ids (unless
@@ -293,5 +297,6 @@ def _token_counts(seqs: list[list[int]], rows: int, vocab: int, device: torch.de
     return padded[:, :vocab]
 
 
-def _finite(x: float) -> float:
+def finite_logprob(x: float) -> float:
+    """A logprob as JSON can carry it: -inf (an impossible token) and NaN become LOGPROB_FLOOR."""
     return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
