@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from gateway import metrics as m
 from gateway.errors import APIError
 from gateway.logprobs import LogprobsView
-from router.protocol.messages import DeltaChunk, EndChunk, ErrorChunk, StartChunk
+from router.protocol.messages import DeltaChunk, EndChunk, ErrorChunk, RouteDecision, StartChunk
 
 
 class RequestRun:
@@ -24,7 +24,7 @@ class RequestRun:
         self.prompt_tokens = prompt_tokens
         self.first: list[list[dict]] = []
         self.replica = None
-        self.route = None
+        self.route: RouteDecision | None = None  # the router's decision, as the replica was sent it
         self.ends: dict[int, dict] = {}
         self._closed = False
         self._first_token_seen = False
@@ -39,7 +39,7 @@ class RequestRun:
                 raise _error(error)
             self.first.append(head)
         self._mark_first_token()
-        reason = (self.route or {}).get("reason") or (self.gw.config.policy if self.route is None else "unknown")
+        reason = (self.route.reason or "unknown") if self.route is not None else self.gw.config.policy
         m.ROUTES.labels(self.model.name, self.replica or "unknown", reason).inc()
         return {"x-prefixgate-replica": self.replica or "unknown", "x-prefixgate-route": reason}
 
@@ -50,7 +50,7 @@ class RequestRun:
             if isinstance(chunk, StartChunk):
                 if index == 0:  # the last start wins: a retry names the replica that took over
                     self.replica = chunk.replica
-                    self.route = chunk.route.as_dict() if chunk.route is not None else None
+                    self.route = chunk.route
                 continue
             break
         return head
@@ -141,7 +141,8 @@ class RequestRun:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.body.model,
                 "choices": choices, "usage": self.usage(),
-                "prefixgate": {"replica": self.replica, "route": self.route, "migrations": self.migrations()}}
+                "prefixgate": {"replica": self.replica, "route": self.route.as_dict() if self.route is not None else None,
+                               "migrations": self.migrations()}}
 
     def _sse(self, choices: list[dict], usage: dict | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -126,7 +126,9 @@ def audit_dir(path: str | Path, block_size: int = 16, publish_depth: int | None 
             ei += 1
         cap = min(len(d.hashes), max(d.prompt_tokens - 1, 0) // block_size)  # blocks that can hit
         hashes = d.hashes[:cap]
-        rec = AuditRecord(len(kept), d.t, cap, d.replica, d.reason, d.pull_from, d.pull_blocks, d.session_replica)
+        pull = d.route.pull
+        rec = AuditRecord(len(kept), d.t, cap, d.replica, d.route.reason, pull.replica_id if pull else None,
+                          pull.num_blocks if pull else 0, d.session_replica)
         for rid in replicas:
             rec.cached[rid] = held[rid].run(hashes)
             flights = inflight[rid] = [f for f in inflight[rid] if f[0] > d.t]
@@ -140,8 +142,8 @@ def audit_dir(path: str | Path, block_size: int = 16, publish_depth: int | None 
         rec.best = max(pros.values(), default=0)
         rec.best_cached = max(rec.cached.values(), default=0)
         rec.effective = pros.get(d.replica, 0)
-        if d.pull_from is not None and d.pull_blocks > 0 and d.pull_from in held:
-            rec.effective = max(rec.effective, min(d.pull_blocks, cap, held[d.pull_from].run(hashes, device_only=True)))
+        if pull is not None and pull.num_blocks > 0 and pull.replica_id in held:
+            rec.effective = max(rec.effective, min(pull.num_blocks, cap, held[pull.replica_id].run(hashes, device_only=True)))
         if rec.best > 0:
             holders = [rid for rid, n in pros.items() if n == rec.best]
             rec.holder = d.replica if d.replica in holders else max(holders, key=lambda r: (rec.seen.get(r, -1), r))
@@ -165,15 +167,15 @@ def audit_dir(path: str | Path, block_size: int = 16, publish_depth: int | None 
 def _classify(rec: AuditRecord, d: Decision) -> str | None:
     """The decision term's cause, first rule that applies (router/sim/audit.py CAUSES)."""
     chosen, holder = rec.chosen, rec.holder
-    if d.replica != d.chosen:
+    if d.replica != d.route.replica_id:
         return "overflow"
-    if d.reason == "stale":
+    if d.route.reason == "stale":
         return "stale"
-    if d.reason == "session":
+    if d.route.reason == "session":
         return "session"
     seen_h, seen_c = rec.seen.get(holder), rec.seen.get(chosen, 0)
     if seen_h is not None and seen_h > seen_c:  # it saw the holder's longer match
-        if d.pull_from is not None:
+        if d.route.pull is not None:
             return "pull_short"
         if d.cache_blind:
             return "blind"

@@ -15,12 +15,15 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
+from msgspec.structs import replace
 
 from router.index.redis_index import Lookup
 from router.load_table import LoadTable
-from router.policy import Decision, Policy, ReplicaView, RouteRequest
+from router.policy import Policy, ReplicaView, RouteRequest
 from router.protocol.media import DISK, HOST
+from router.protocol.messages import RouteDecision
 
 # How long a router remembers where it sent each prefix, for `stale` decisions when Redis is
 # away (the fresh path counts only INFLIGHT_TTL_S). A replica usually still holds what it was
@@ -120,10 +123,12 @@ class SessionMemory:
 
 @dataclass
 class Routed:
-    """One request's decision, kept from choose_replicas until Ray reports where it went."""
+    """The router's bookkeeping around one request's decision, kept from choose_replicas until
+    Ray reports where it went: the decision itself (the one type, sent to the replica as is)
+    and what it was made from."""
 
     route: RouteRequest
-    decision: Decision
+    decision: RouteDecision
     ranked: list[str]  # scored replicas, cheapest first (the decision's replica first)
     matched: dict[str, int] = field(default_factory=dict)
     views: list[ReplicaView] = field(default_factory=list)  # what the policy scored
@@ -174,7 +179,7 @@ class Decider:
             session_replica = None
         routed = self._choose(route, ids, matched, session_replica, queue_len)
         # no pull hint from memory alone: the source may no longer hold what we remember
-        routed.decision = replace(routed.decision, reason="stale", pull_from=None, pull_blocks=0)
+        routed.decision = replace(routed.decision, reason="stale", pull=None)
         return routed
 
     def _choose(self, route: RouteRequest, ids: list[str], matched: dict[str, int], session_replica: str | None,

@@ -13,11 +13,13 @@ import random
 from dataclasses import dataclass
 
 import xxhash
+from msgspec.structs import replace
 
 from router import policy_table
 from router.costs.transfer_model import TransferModel
 from router.policy_table import register_policy
 from router.protocol.media import DISK, HOST
+from router.protocol.messages import KvSource, RouteDecision
 
 
 @dataclass
@@ -61,18 +63,8 @@ class RouteRequest:
     fleet_matched: int = 0
 
 
-@dataclass
-class Decision:
-    replica_id: str
-    reason: str  # one of REASONS
-    matched_blocks: int = 0
-    # a pull-aware policy chose to have the replica copy the prompt's leading `pull_blocks`
-    # blocks from `pull_from` (a replica holding them) instead of computing them
-    pull_from: str | None = None
-    pull_blocks: int = 0
-
-
-# Every reason a decision can carry (the `x-prefixgate-route` header, the route metrics' label,
+# Every reason a decision (router/protocol/messages.py `RouteDecision`, what every policy here
+# returns) can carry (the `x-prefixgate-route` header, the route metrics' label,
 # the simulator's reason counts and its audit): a policy's own, and `stale`, which the Decider
 # sets on a decision taken without the index (router/decider.py `degraded`).
 REASONS = ("session", "prefix", "load", "fallback", "pull", "stale")
@@ -103,7 +95,7 @@ class Policy(abc.ABC):
         request: RouteRequest,
         replicas: list[ReplicaView],
         session_replica: str | None = None,
-    ) -> Decision:
+    ) -> RouteDecision:
         """Decide and record the decision at once (the simulator's path)."""
         decision = self.decide(request, replicas, session_replica)
         self.commit(request, decision.replica_id, decision.matched_blocks, len(replicas))
@@ -115,9 +107,13 @@ class Policy(abc.ABC):
         request: RouteRequest,
         replicas: list[ReplicaView],
         session_replica: str | None = None,
-    ) -> Decision:
+    ) -> RouteDecision:
         """Pick a replica without recording anything: a router may call it again for the same
         request, and only `commit` (once the request really went somewhere) has effects."""
+
+    def decision(self, v: ReplicaView, reason: str) -> RouteDecision:
+        """This policy's decision for replica `v` (its matched blocks as `v` shows them)."""
+        return RouteDecision(self.name, reason, v.replica_id, v.matched_blocks)
 
     def commit(self, request: RouteRequest, replica_id: str, matched_blocks: int, fleet_size: int) -> None:
         """The request was routed to `replica_id` (the policy's pick or a fallback)."""
@@ -329,13 +325,13 @@ class AffinityPolicy(Policy):
             # half second) usually still counts the session's previous turn, just finished there
             limit = self.session_slack * low + self.session_margin * request.num_prompt_tokens + self.decode_weight
             if home is not None and costs[session_replica] <= limit:
-                return Decision(home.replica_id, "session", home.matched_blocks)
+                return self.decision(home, "session")
         if session_replica == best.replica_id:
-            return Decision(best.replica_id, "session", best.matched_blocks)
+            return self.decision(best, "session")
         most = max(v.matched_blocks for v in replicas)
         least = min(v.matched_blocks for v in replicas)
         reason = "prefix" if most > least and best.matched_blocks == most else "load"
-        return Decision(best.replica_id, reason, best.matched_blocks)
+        return self.decision(best, reason)
 
 
 @register_policy(summary="affinity where a replica may copy a prefix's K/V from the replica holding it instead of recomputing it (docs/kv-pull.md; the default)")
@@ -444,11 +440,10 @@ class AffinityPullPolicy(AffinityPolicy):
     def decide(self, request, replicas, session_replica=None):
         decision = super().decide(request, replicas, session_replica)
         depth = self._pulls.get(decision.replica_id, 0)
-        if depth:
-            decision.pull_from, decision.pull_blocks = self._source_id, depth
-            if decision.reason != "session":
-                decision.reason = "pull"
-        return decision
+        if not depth:
+            return decision
+        reason = "session" if decision.reason == "session" else "pull"
+        return replace(decision, reason=reason, pull=KvSource(self._source_id, depth))
 
     def commit(self, request, replica_id, matched_blocks, fleet_size):
         """Charge the prefill the replica will do: what neither its cache nor a pull covers."""
@@ -475,7 +470,7 @@ class PrefixPolicy(Policy):
             replicas, lambda r: (-r.matched_blocks, r.pending_prefill_tokens, _queued(r))
         )
         reason = "prefix" if v.matched_blocks > 0 else "load"
-        return Decision(v.replica_id, reason, v.matched_blocks)
+        return self.decision(v, reason)
 
 
 class HashRing:
@@ -528,10 +523,10 @@ class SessionPolicy(Policy):
         key = session_key(request)
         if key is None:
             v = self.rng.choice(replicas)
-            return Decision(v.replica_id, "fallback", v.matched_blocks)
+            return self.decision(v, "fallback")
         rid = self.ring([v.replica_id for v in replicas]).lookup(key)
         v = next(r for r in replicas if r.replica_id == rid)
-        return Decision(rid, "session", v.matched_blocks)
+        return self.decision(v, "session")
 
 
 @register_policy(summary="power of two choices: two random replicas, the one with fewer requests; ignores the cache", aliases=("power-of-two",))
@@ -550,7 +545,7 @@ class PowerOfTwoPolicy(Policy):
         else:
             a, b = self.rng.sample(replicas, 2)
             v = a if _queued(a) <= _queued(b) else b
-        return Decision(v.replica_id, "load", v.matched_blocks)
+        return self.decision(v, "load")
 
     def rank(self, request, replicas):
         """Fallbacks by queue length alone (cache-blind, like the choice)."""
@@ -567,7 +562,7 @@ class RandomPolicy(Policy):
     def decide(self, request, replicas, session_replica=None):
         _require(replicas)
         v = self.rng.choice(replicas)
-        return Decision(v.replica_id, "fallback", v.matched_blocks)
+        return self.decision(v, "fallback")
 
     def rank(self, request, replicas):
         """Fallbacks in random order too: ranked by cached blocks, a full replica's overflow
@@ -587,7 +582,7 @@ class LeastLoadedPolicy(Policy):
     def decide(self, request, replicas, session_replica=None):
         _require(replicas)
         v = self._argmin(replicas, lambda r: (r.pending_prefill_tokens, _queued(r)))
-        return Decision(v.replica_id, "load", v.matched_blocks)
+        return self.decision(v, "load")
 
     def rank(self, request, replicas):
         """Fallbacks by load alone (cache-blind, like the choice)."""

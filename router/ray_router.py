@@ -37,10 +37,10 @@ from router.decider import STALE_MEMORY_S, Decider, InflightPrefixes, Routed, Se
 from router.index.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 from router.load_table import LoadTable
 from router.metrics import router_metrics
-from router.policy import Decision, ReplicaView, RouteRequest, make_policy
+from router.policy import ReplicaView, RouteRequest, make_policy
 from router.protocol.audit_log import AuditWriter
 from router.protocol.hashing import block_hashes, chain_seed
-from router.protocol.messages import GenerateRequest, KvSource, RouteDecision
+from router.protocol.messages import GenerateRequest, RouteDecision
 from router.protocol.redis_schema import INFLIGHT_TTL_S
 from router.route_audit import decision_record
 from router.router_options import RouterOptions
@@ -59,8 +59,8 @@ class PrefixGateRouter(RequestRouter):
         """`options`: the fields of RouterOptions (router/router_options.py), where each one's
         default is defined; an unknown one is a TypeError naming it."""
         o = self.options = RouterOptions(**options)
-        self.policy_name = o.policy
         self.policy = make_policy(o.policy, seed=o.seed, **o.policy_options)
+        self.policy_name = self.policy.name  # canonical, as the policy names its decisions
         self.fallback = make_policy("session", seed=o.seed)
         self.model_id = o.model_id
         self.block_size = o.block_size
@@ -135,10 +135,7 @@ class PrefixGateRouter(RequestRouter):
         metrics.matched_blocks.labels(self.policy_name).inc(decision.matched_blocks)
         # the decision travels beside the request, as the replica call's `route` keyword:
         # whichever replica takes it (this decision's or a fallback) reads the pull hint there
-        pull = KvSource(decision.pull_from, decision.pull_blocks) if decision.pull_from is not None else None
-        pending_request.kwargs["route"] = RouteDecision(
-            self.policy_name, decision.reason, decision.replica_id, decision.matched_blocks, pull
-        )
+        pending_request.kwargs["route"] = decision
         return self._ranks(routed, candidate_replicas, by_id)
 
     def _calibrate(self) -> None:
@@ -210,8 +207,8 @@ class PrefixGateRouter(RequestRouter):
                 router_metrics().index_failures.inc()
                 return self.decider.degraded(route, ids, queue_len)
             return self.decider.score(route, ids, look, queue_len)
-        decision = self.fallback.decide(route, [ReplicaView(rid) for rid in ids])
-        return Routed(route, Decision(decision.replica_id, "fallback", 0), [decision.replica_id], fleet_size=len(ids))
+        rid = self.fallback.decide(route, [ReplicaView(rid) for rid in ids]).replica_id
+        return Routed(route, RouteDecision(self.policy_name, "fallback", rid), [rid], fleet_size=len(ids))
 
     def _spawn(self, coro) -> None:
         try:

@@ -1,5 +1,6 @@
 """A routing decision as the live audit records it (router/protocol/audit_log.py `Decision`):
-what the policy saw and priced, beside where the request went."""
+the decision itself (the RouteDecision the replica was sent), what the policy saw and priced,
+and where the request went."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ def decision_record(policy: Policy, routed: Routed, replica_id: str, request_id:
     costs = policy.costs(route, views)  # recomputed from the kept views: only while auditing
     return audit_log.Decision(
         t=audit_log.now(), request_id=request_id, hashes=list(route.block_hashes),
-        prompt_tokens=route.num_prompt_tokens, replica=replica_id, chosen=decision.replica_id,
-        reason=decision.reason, pull_from=decision.pull_from, pull_blocks=decision.pull_blocks,
+        prompt_tokens=route.num_prompt_tokens, replica=replica_id, route=decision,
         session_replica=routed.session_replica,
         seen={v.replica_id: v.matched_blocks for v in views},
         loads={v.replica_id: [v.running, v.waiting, v.pending_prefill_tokens] for v in views},

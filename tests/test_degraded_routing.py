@@ -13,7 +13,8 @@ import pytest
 from router.decider import Decider, InflightPrefixes, Routed, SessionMemory
 from router.index.redis_index import RedisConfig, RedisIndex
 from router.load_table import LoadTable
-from router.policy import Decision, RouteRequest, make_policy
+from router.policy import RouteRequest, make_policy
+from router.protocol.messages import RouteDecision
 
 BS = 16
 IDS = [f"r{i}" for i in range(8)]
@@ -50,7 +51,7 @@ def _degraded(decider: Decider, route: RouteRequest, ids: list[str] = IDS, queue
 
 def _sent(decider: Decider, route: RouteRequest, replica: str) -> None:
     """What on_request_routed records for a request Ray sent to `replica`."""
-    decider.remember(Routed(route, Decision(replica, "load"), [replica]), replica)
+    decider.remember(Routed(route, RouteDecision("affinity", "load", replica), [replica]), replica)
 
 
 def test_session_keeps_its_replica_with_every_load_unknown():

@@ -46,13 +46,13 @@ def test_pull_hints_only_between_replicas_that_can_pull():
     holder = ReplicaView("vllm-a", matched_blocks=40, running=8, waiting=8, kv_pull=False)
     idle = ReplicaView("ours-b", matched_blocks=0)
     decision = policy.decide(request, [holder, idle])
-    assert decision.pull_from is None and decision.pull_blocks == 0
+    assert decision.pull is None
     exporter = ReplicaView("ours-a", matched_blocks=40, running=8, waiting=8)
     cannot_import = ReplicaView("vllm-b", matched_blocks=0, kv_pull=False)
     decision = policy.decide(request, [exporter, cannot_import])
-    assert decision.pull_from is None or decision.replica_id != "vllm-b"
+    assert decision.pull is None or decision.replica_id != "vllm-b"
     able = ReplicaView("ours-b", matched_blocks=0)
-    assert AffinityPullPolicy(seed=0).decide(request, [exporter, able]).pull_from == "ours-a"  # the same case pulls
+    assert AffinityPullPolicy(seed=0).decide(request, [exporter, able]).pull.replica_id == "ours-a"  # the same case pulls
 
 
 def test_decider_reads_kv_pull_from_the_heartbeat():
@@ -165,10 +165,10 @@ def test_a_pull_hint_reaches_the_sim_engine_as_a_typed_extra_and_only_from_anoth
         return [c async for c in request_chunks(host, req, route)]
 
     try:
-        hint = RouteDecision(policy="affinity-pull", reason="pull", replica="me", pull=KvSource("other", 3))
+        hint = RouteDecision(policy="affinity-pull", reason="pull", replica_id="me", pull=KvSource("other", 3))
         chunks = asyncio.run(run(hint))
         assert isinstance(chunks[-1], EndChunk) and backend.engine.engine.pulls == 1
-        own = RouteDecision(policy="affinity-pull", reason="pull", replica="me", pull=KvSource("me", 3))
+        own = RouteDecision(policy="affinity-pull", reason="pull", replica_id="me", pull=KvSource("me", 3))
         assert isinstance(asyncio.run(run(own))[-1], EndChunk) and backend.engine.engine.pulls == 1
         refused = asyncio.run(run(None, logprobs=1))[-1]
         assert isinstance(refused, ErrorChunk) and refused.code == 400 and "logprobs" in refused.message

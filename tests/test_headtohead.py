@@ -366,6 +366,7 @@ def test_audit_records_the_prefixgate_rows_and_audits_each_client_window(tmp_pat
     """`--audit` as typed: the prefixgate rows get `--audit-dir`, the Ray rows nothing; each
     client's audit takes the decisions made during its own run."""
     from router.protocol.audit_log import AuditWriter, Decision, Outcome
+    from router.protocol.messages import RouteDecision
 
     parser = argparse.ArgumentParser()
     h.add_parser(parser.add_subparsers())
@@ -378,7 +379,8 @@ def test_audit_records_the_prefixgate_rows_and_audits_each_client_window(tmp_pat
 
     w = AuditWriter.for_process(tmp_path / "audit", "router", "x")
     for t, rid in ((1.0, "warm-up"), (5.0, "bench-1"), (6.0, "bench-2")):
-        w.write(Decision(t=t, request_id=rid, hashes=[1, 2, 3], prompt_tokens=100, replica="A", chosen="A", reason="load"))
+        w.write(Decision(t=t, request_id=rid, hashes=[1, 2, 3], prompt_tokens=100, replica="A",
+                         route=RouteDecision("affinity", "load", "A")))
         w.write(Outcome(t=t + 0.5, request_id=rid, replica="A", prompt_tokens=100, cached_tokens=0))
     out = tmp_path / "bench"
     out.mkdir()

@@ -67,7 +67,7 @@ def test_prefix_evicted_to_host_is_published_routed_and_hit(stack):
         mine = decisions(stack)[before:]
         assert len(mine) == 1, mine  # nothing else uses the stack meanwhile
         d = mine[0]
-        tried.append((d.reason, d.loads, d.seen, d.costs))
+        tried.append((d.route.reason, d.loads, d.seen, d.costs))
         if any(any(load) for load in d.loads.values()):
             continue  # the router's copy still counted a filler
         assert again.headers["x-prefixgate-replica"] == home, (d, home)

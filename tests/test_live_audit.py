@@ -16,6 +16,7 @@ import pytest
 from loadtest.live_audit import audit_dir
 from replica.default_model import DEFAULT_MODEL_NAME
 from router.protocol.audit_log import AuditWriter, Blocks, Decision, Outcome
+from router.protocol.messages import RouteDecision
 from router.sim.audit import UNEXPLAINED
 
 BS = 16
@@ -25,7 +26,8 @@ P, Q, R = [10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]
 
 def _decision(t, rid, hashes, replica, chosen=None, seen=None, costs=None, reason="load") -> Decision:
     return Decision(t=t, request_id=rid, hashes=hashes, prompt_tokens=len(hashes) * BS + 1, replica=replica,
-                    chosen=chosen or replica, reason=reason, seen=seen or {}, costs=costs or {}, balance_tokens=10.0)
+                    route=RouteDecision("affinity", reason, chosen or replica), seen=seen or {}, costs=costs or {},
+                    balance_tokens=10.0)
 
 
 def test_causes_from_records_add_up_to_the_gap(tmp_path):

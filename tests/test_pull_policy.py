@@ -10,6 +10,7 @@ import pytest
 from router.costs.transfer_model import TransferModel, fleet_rate
 from router.policy import AffinityPullPolicy, ReplicaView, RouteRequest, make_policy
 from router.protocol.hashing import block_hashes
+from router.protocol.messages import KvSource
 from router.sim.cli import default_trace, main
 from router.sim.engine import SimConfig, run_policy
 from router.sim.oracle import pooled_lru_hits
@@ -76,7 +77,7 @@ def test_busy_holder_idle_replica_pulls_from_the_holder():
     p = make_policy("affinity-pull", seed=0)
     req = route(16)
     d = p.choose(req, busy_holder_and_idle_replica())
-    assert (d.replica_id, d.reason, d.pull_from, d.pull_blocks) == ("r1", "pull", "r0", 16)
+    assert (d.replica_id, d.reason, d.pull) == ("r1", "pull", KvSource("r0", 16))
     # affinity, which cannot pull, stays with the holder (a recompute elsewhere is dearer)
     assert make_policy("affinity", seed=0).choose(route(16), busy_holder_and_idle_replica()).replica_id == "r0"
 
@@ -84,17 +85,17 @@ def test_busy_holder_idle_replica_pulls_from_the_holder():
 def test_an_idle_holder_is_a_local_hit_not_a_pull():
     p = make_policy("affinity-pull", seed=0)
     d = p.choose(route(16), [ReplicaView("r0", matched_blocks=16), ReplicaView("r1")])
-    assert (d.replica_id, d.pull_from, d.pull_blocks) == ("r0", None, 0)
+    assert (d.replica_id, d.pull) == ("r0", None)
 
 
 def test_slow_link_means_recompute_and_calibration_changes_the_price():
     p = AffinityPullPolicy(seed=0)
     p.calibrate(bytes_per_s=1e9)  # below break-even (320 KB x ~7k tokens/s = 2.24 GB/s)
     d = p.choose(route(16), busy_holder_and_idle_replica())
-    assert d.pull_from is None
+    assert d.pull is None
     p.calibrate(bytes_per_s=25e9)
     d = p.choose(route(16), busy_holder_and_idle_replica())
-    assert (d.replica_id, d.pull_from) == ("r1", "r0")
+    assert (d.replica_id, d.pull.replica_id) == ("r1", "r0")
 
 
 def test_pull_depth_leaves_one_token_to_compute_and_ranks_fallbacks_by_pull_cost():
@@ -103,7 +104,7 @@ def test_pull_depth_leaves_one_token_to_compute_and_ranks_fallbacks_by_pull_cost
     views = [ReplicaView("r0", matched_blocks=8, running=20, pending_prefill_tokens=50_000),
              ReplicaView("r1", running=1), ReplicaView("r2", running=2)]
     d = p.choose(req, views)
-    assert d.pull_blocks == 7 and d.pull_from == "r0"
+    assert d.pull == KvSource("r0", 7)
     ranked = [v.replica_id for v in p.rank(req, views)]
     assert ranked == ["r1", "r2", "r0"]
 
@@ -146,7 +147,7 @@ def test_a_holder_past_the_publish_depth_is_not_left_for_a_capped_pull():
     views = [ReplicaView("r0", matched_blocks=64, running=4, waiting=2, pending_prefill_tokens=40_000),
              ReplicaView("r1")]
     d = make_policy("affinity-pull", seed=0).choose(req, views)
-    assert (d.replica_id, d.pull_from) == ("r0", None)
+    assert (d.replica_id, d.pull) == ("r0", None)
     assert make_policy("affinity", seed=0).choose(req, views).replica_id == "r0"
 
 

@@ -52,8 +52,8 @@ def test_new_session_with_known_system_prompt_goes_where_the_prefix_is(stack):
         mine = decisions(stack)[before:]
         assert len(mine) == 1, mine  # nothing else uses the stack meanwhile
         d = mine[0]
-        tried.append((d.reason, d.loads, d.seen, d.costs))
-        assert d.replica == r.headers["x-prefixgate-replica"] and d.reason == r.headers["x-prefixgate-route"]
+        tried.append((d.route.reason, d.loads, d.seen, d.costs))
+        assert d.replica == r.headers["x-prefixgate-replica"] and d.route.reason == r.headers["x-prefixgate-route"]
         if any(any(load) for load in d.loads.values()) or any(n for rid, n in d.seen.items() if rid != home):
             continue  # the router's view was not idle yet
         assert d.seen.get(home, 0) > 0, d  # the index answered with the first request's blocks

@@ -32,6 +32,7 @@ from router.protocol.media import (
     split_entry,
     split_member,
 )
+from router.protocol.messages import KvSource
 from router.protocol.redis_schema import RedisKeys
 from router.sim.index import SimIndex
 from router.sim.sim_router import SimClock
@@ -336,10 +337,10 @@ def test_a_pull_source_is_priced_from_its_device_pool_only():
     busy = {"running": 20, "pending_prefill_tokens": 50_000}
     p = AffinityPullPolicy(seed=0)
     d = p.choose(route(), [_hit("src", host=16, **busy), ReplicaView("idle")])
-    assert d.replica_id == "idle" and d.pull_from is None
+    assert d.replica_id == "idle" and d.pull is None
     request = route()
     d = p.choose(request, [_hit("src", host=8, **busy), ReplicaView("idle")])
-    assert (d.replica_id, d.pull_from, d.pull_blocks) == ("idle", "src", 8)
+    assert (d.replica_id, d.pull) == ("idle", KvSource("src", 8))
     assert request.fleet_matched == 8
 
 

@@ -4,7 +4,9 @@ With `audit_dir` set (`prefixgate serve --audit-dir DIR`), every process that ro
 writes its own file in DIR, so no two processes append to one file:
 
   router-{pid}.jsonl         a `Decision` per request the router placed: the prompt's block
-                             hashes, where it went and why, and what the policy saw (matched
+                             hashes, where it went, the router's decision as it sent it to the
+                             replica (`route`, a messages.RouteDecision: the policy's choice,
+                             the reason, the pull hint), and what the policy saw (matched
                              blocks, loads and costs of each replica it scored)
   replica-{replica_id}.jsonl a `Blocks` per cache change (the replica's block events, as its
                              publisher sends them to the index) and an `Outcome` per finished
@@ -25,17 +27,19 @@ from pathlib import Path
 
 import msgspec
 
+from router.protocol.messages import RouteDecision
+
 
 class Decision(msgspec.Struct, tag="decision", kw_only=True, omit_defaults=True):
+    """A routed request: the decision itself (`route`, the struct the replica was sent) plus
+    what the router observed around it."""
+
     t: float
     request_id: str
     hashes: list[int]  # the prompt's leading block hashes, up to publish_depth (what the index holds)
     prompt_tokens: int
-    replica: str  # where the request went (Ray may place it on another than the policy's choice)
-    chosen: str  # the policy's choice
-    reason: str  # router/policy.py REASONS
-    pull_from: str | None = None
-    pull_blocks: int = 0
+    replica: str  # where the request went (Ray may place it on another than `route.replica_id`)
+    route: RouteDecision  # the decision: the policy's choice, its reason and pull hint
     session_replica: str | None = None  # the session's last replica, as the lookup said
     seen: dict[str, int] = {}  # matched blocks of each scored replica, as the policy saw them
     loads: dict[str, list[int]] = {}  # running, waiting, pending prefill tokens of each scored replica

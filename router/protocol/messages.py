@@ -46,17 +46,21 @@ class KvSource(msgspec.Struct, frozen=True):
 
 
 class RouteDecision(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Our router's choice for one request, passed to the replica beside the request."""
+    """Our router's choice for one request: the one routing decision type. A policy returns it
+    (router/policy.py), the router keeps it (router/decider.py `Routed`) and passes it to the
+    replica beside the request, the gateway reports it (`as_dict`), and the live audit records
+    it (router/protocol/audit_log.py `Decision.route`). Frozen: a change is a new struct
+    (`msgspec.structs.replace`)."""
 
-    policy: str
-    reason: str  # prefix, session, load, stale, fallback, ... (router/decider.py)
-    replica: str  # the replica the policy chose (Ray may place it on a fallback)
-    matched_blocks: int = 0
+    policy: str  # the policy's canonical name (router/policy_table.py)
+    reason: str  # one of router/policy.py REASONS
+    replica_id: str  # the replica the policy chose (Ray may place it on a fallback)
+    matched_blocks: int = 0  # leading blocks of the prompt the index says that replica holds
     pull: KvSource | None = None  # copy these leading blocks from another replica first
 
     def as_dict(self) -> dict[str, Any]:
         """The decision as the gateway reports it (`prefixgate.route` in responses)."""
-        out: dict[str, Any] = {"policy": self.policy, "reason": self.reason, "replica": self.replica,
+        out: dict[str, Any] = {"policy": self.policy, "reason": self.reason, "replica": self.replica_id,
                                "matched_blocks": self.matched_blocks}
         if self.pull is not None:
             out["pull_from"], out["pull_blocks"] = self.pull.replica_id, self.pull.num_blocks

@@ -42,7 +42,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
-from router.policy import REASONS, AffinityPolicy, Decision, Policy, ReplicaView, RouteRequest
+from router.policy import REASONS, AffinityPolicy, Policy, ReplicaView, RouteRequest
+from router.protocol.messages import RouteDecision
 from router.sim.workload import SimRequest
 
 # cause -> meaning; the order is the classification's precedence within each term
@@ -139,7 +140,7 @@ class DecisionTap:
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self.last: tuple[RouteRequest, list[ReplicaView], str | None, Decision] | None = None
+        self.last: tuple[RouteRequest, list[ReplicaView], str | None, RouteDecision] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.policy, name)
@@ -232,9 +233,9 @@ class RoutingAudit:
         route, views, session_replica, raw = tap.last
         policy = tap.policy
         decision = routed.decision
-        chosen = decision.replica_id
-        rec = AuditRecord(index, now, len(req.hashes), chosen, decision.reason, decision.pull_from,
-                          decision.pull_blocks, session_replica)
+        chosen, pull = decision.replica_id, decision.pull
+        rec = AuditRecord(index, now, len(req.hashes), chosen, decision.reason, pull.replica_id if pull else None,
+                          pull.num_blocks if pull else 0, session_replica)
         device: dict[str, int] = {}  # what a pull would read now: the pool's leading run
         for rep in reps:
             dev, use = held_run(rep.bm, req.hashes)
@@ -251,8 +252,8 @@ class RoutingAudit:
         rec.best = max(pros.values(), default=0)
         rec.best_cached = max(rec.cached.values(), default=0)
         rec.effective = pros[chosen]
-        if decision.pull_from is not None and decision.pull_blocks > 0:
-            rec.effective = max(rec.effective, min(decision.pull_blocks, device.get(decision.pull_from, 0)))
+        if pull is not None and pull.num_blocks > 0:
+            rec.effective = max(rec.effective, min(pull.num_blocks, device.get(pull.replica_id, 0)))
         if rec.best > 0:
             holders = [rid for rid, n in pros.items() if n == rec.best]
             rec.holder = chosen if chosen in holders else max(
@@ -279,7 +280,7 @@ class RoutingAudit:
 
     # ---- classification ----------------------------------------------------------------------
     def _classify(self, rec: AuditRecord, policy: Policy, route: RouteRequest, views: list[ReplicaView],
-                  session_replica: str | None, raw: Decision) -> str | None:
+                  session_replica: str | None, raw: RouteDecision) -> str | None:
         depth = self.publish_depth
         if min(rec.best, depth) <= min(rec.effective, depth):
             return "depth_cap"

@@ -131,11 +131,12 @@ def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
         copy += round(rep.adapter_tokens(req.adapter))  # and reading its adapter from disk
         job = Job(req, now, 0, int(now // config.window_s))
         source, depth = None, 0
-        if decision.pull_from is not None and decision.pull_blocks > local:
+        pull = decision.pull
+        if pull is not None and pull.num_blocks > local:
             # the pull reads the source at the request's arrival, as a live replica pulls before
             # the request queues for its engine
-            source = by_id[decision.pull_from]
-            depth = source.export_run(req.hashes, decision.pull_blocks, local, rep.pull_holder)
+            source = by_id[pull.replica_id]
+            depth = source.export_run(req.hashes, pull.num_blocks, local, rep.pull_holder)
         if source is not None and depth > local:
             job.pull_from, job.pull_depth = source, depth
             pull_tokens = (depth - local) * bs
