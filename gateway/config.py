@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from replica.backends.engine_protocol import ENGINE_NAMES
+from replica.backends.engine_spec import EngineSpec
+from replica.backends.engines import EngineSettings, engine_spec
+from replica.backends.model_spec import MODEL_DTYPES
 from replica.engine_config import (
     KV_CACHE_MB,
     LONG_PREFILL_TOKEN_THRESHOLD,
@@ -24,7 +27,6 @@ from replica.engine_config import (
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
 )
-from router.protocol.hashing import BLOCK_SIZE
 from router.protocol.messages import KEEPALIVE_S, KV_PULL_TIMEOUT_S, STREAM_INTERVAL_S
 from router.registry import aliases as policy_aliases
 from router.registry import help_text as policy_help
@@ -37,7 +39,8 @@ _ROUTER = RouterOptions()  # the router's defaults, defined in router/router_opt
 def setting(default: Any = MISSING, *, help: str, factory: Any = None, flag: str | None = None,
             cli: str = "auto", choices: tuple[str, ...] | None = None, raw_keys: bool = False) -> Any:
     """A field with its help text. `flag`: its `prefixgate serve` flag when not `--field-name`;
-    `cli`: "auto" (a flag), "json-file" (the flag names a JSON file holding the value) or "none";
+    `cli`: "auto" (a flag), "json-file" (the flag names a JSON file holding the value),
+    "path-or-models" (`--model`: PATH, or NAME=PATH per model) or "none";
     `choices`: the values the flag accepts (checked when the command line is parsed); `raw_keys`:
     a dict whose KEY=VALUE keys are taken as written (Ray resource names), not as field names
     (where `decode-step-s` means `decode_step_s`)."""
@@ -47,7 +50,7 @@ def setting(default: Any = MISSING, *, help: str, factory: Any = None, flag: str
     return field(default=default, metadata=metadata)
 
 
-ENGINE_DTYPES = ("float32", "bfloat16", "float16")  # what our engine loads a model in
+ENGINE_DTYPES = MODEL_DTYPES  # what our engine loads a model in (replica/backends/model_spec.py)
 # what one entry of `models` may set: its name and directory, and the settings of its replicas
 # (the rest of the app's settings apply to every model alike)
 MODEL_KEYS = ("name", "path", "replicas", "engine", "lora_adapters", "autoscaling", "block_size", "num_blocks",
@@ -57,7 +60,7 @@ MODEL_KEYS = ("name", "path", "replicas", "engine", "lora_adapters", "autoscalin
 @dataclass
 class AppConfig:
     # the model and its replicas
-    model: str | None = setting(None, cli="model", help="local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct); "
+    model: str | None = setting(None, cli="path-or-models", help="local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct); "
                                 "NAME=PATH, repeatable: several models behind one gateway (`models`)")
     model_name: str | None = setting(None, help="served model name and block-hash identity (default: the directory name)")
     models: list[dict] = setting(factory=list, cli="none", help="several models behind one gateway, each its own replicas, "
@@ -183,13 +186,10 @@ class AppConfig:
         from router.registry import resolve
 
         self.policy = resolve(self.policy)  # unknown: ValueError listing the valid names
-        if self.engine not in ENGINE_NAMES:
-            raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINE_NAMES)}")
+        spec = self.engine_spec  # unknown: ValueError listing the engines
         self._block_size_defaulted = self.block_size is None
         if self.block_size is None:
-            from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE
-
-            self.block_size = VLLM_BLOCK_MULTIPLE if self.engine == "vllm" else BLOCK_SIZE
+            self.block_size = spec.default_block_size
         # a working replica sends a keepalive every KEEPALIVE_S (K/V pulls included): a guard
         # shorter than two of them would move healthy requests
         if self.stall_timeout_s != 0 and self.stall_timeout_s <= 2 * KEEPALIVE_S:
@@ -202,17 +202,9 @@ class AppConfig:
             raise ValueError(f"stream_interval_ms must be in [0, {KEEPALIVE_S * 1000:g}], got {self.stream_interval_ms}")
         if self.kv_host_mb < 0 or self.kv_disk_mb < 0:
             raise ValueError("kv_host_mb and kv_disk_mb must be >= 0")
-        if (self.kv_host_mb or self.kv_disk_mb) and self.engine == "vllm":
-            raise ValueError("kv_host_mb / kv_disk_mb are our engine's K/V tiers; engine vllm has none of ours "
-                             "(vLLM's own offloading reports its medium in its KV events, which the index keeps)")
-        if self.dtype not in (None, *ENGINE_DTYPES):
-            raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
-        if self.dtype is not None and self.engine != "model":
-            raise ValueError(f"dtype is our engine's; engine {self.engine} has none of it "
-                             "(vLLM's own: --vllm dtype=bfloat16)")
-        if self.compile and self.engine != "model":
-            raise ValueError(f"compile is our engine's compiled forward; engine {self.engine} has none "
-                             "(vLLM's own: --vllm enforce_eager=false)")
+        # the engine's own rules (replica/backends/*_spec.py): the tiers, dtype and compile it
+        # takes, its block sizes and LoRA ranks, its own knobs
+        spec.check(self)
         self.check_lora()
         self.check_models()
         from gateway.flow.keys import parse_keys
@@ -234,6 +226,16 @@ class AppConfig:
             if bad:
                 raise ValueError(f"{name} takes numbers, got {bad}")
         self.router_options(self.model_name or "check")  # the router's own rules, checked at load
+
+    @property
+    def engine_spec(self) -> EngineSpec:
+        """The engine's rules and builders (replica/backends/engines.py)."""
+        return engine_spec(self.engine)
+
+    def engine_settings(self, model_id: str) -> EngineSettings:
+        """What each replica's engine is built from: one engine's settings (a tagged union),
+        built by its spec from the flat settings here."""
+        return self.engine_spec.settings(self, model_id)
 
     @property
     def lora_enabled(self) -> bool:

@@ -73,7 +73,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         kind, optional = _base_type(f.type)
         default = getattr(defaults, f.name)
         text = f.metadata.get("help", "")
-        if cli == "model":  # PATH once, or NAME=PATH per model (config_values)
+        if cli == "path-or-models":  # PATH once, or NAME=PATH per model (config_values)
             p.add_argument(_flag(f), dest=f.name, action="append", metavar="PATH|NAME=PATH", default=argparse.SUPPRESS,
                            help=f"{text} (repeatable)")
         elif cli == "json-file":
@@ -108,7 +108,7 @@ def config_values(args: argparse.Namespace) -> dict[str, Any]:
         if not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
-        if f.metadata.get("cli") == "model":
+        if f.metadata.get("cli") == "path-or-models":
             out.update(_models(value))
             continue
         if f.metadata.get("cli") == "json-file":

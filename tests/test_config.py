@@ -9,12 +9,18 @@ from dataclasses import fields
 
 import pytest
 
-from gateway.app import engine_config, router_config
+from gateway.app import router_config
 from gateway.cli import config_from_args, main
 from gateway.config import AppConfig
+from replica.backends.vllm_spec import VllmEngineSettings
 from replica.engine_config import EngineConfig
 from replica.serve.replica_settings import ReplicaSettings
 from router.router_options import RouterOptions
+
+
+def engine_config(config: AppConfig, model_id: str) -> EngineConfig:
+    """The EngineConfig a replica of our engine (or vLLM's) is built from."""
+    return config.engine_settings(model_id).config
 
 
 def _parse(*argv: str):
@@ -89,12 +95,10 @@ def test_bad_settings_are_refused_with_the_setting_named(capsys):
 
 
 def test_long_prefill_threshold_flag_reaches_both_engines(capfd):
-    from gateway.app import sim_settings
-
     config = _parse("--long-prefill-token-threshold", "64")
     assert engine_config(config, "m").long_prefill_token_threshold == 64
-    assert sim_settings(_parse("--engine", "sim", "--long-prefill-token-threshold", "32"), "m")[
-        "long_prefill_token_threshold"] == 32
+    sim = _parse("--engine", "sim", "--long-prefill-token-threshold", "32").engine_settings("m")
+    assert sim.config.long_prefill_token_threshold == 32
     assert main(["serve", "--long-prefill-token-threshold", "-1"]) == 2  # refused before anything starts
     assert "long_prefill_token_threshold must be >= 0" in capfd.readouterr().err
 
@@ -257,14 +261,16 @@ models:
     assert (chat.replicas, chat.lora, chat.key_prefix, chat.block_size) == (2, {"sql": str(adapter)}, "pg:m:chat", 16)
     assert (vl.engine, vl.block_size, vl.max_model_len, vl.key_prefix) == ("vllm", 32, 2048, "pg:m:vl")
     settings = replica_settings(chat, chat.served_name)
-    assert settings.engine.model_id == "chat" and settings.key_prefix == "pg:m:chat" and settings.engine.lora
+    assert settings.engine.config.model_id == "chat" and settings.key_prefix == "pg:m:chat" and settings.engine.config.lora
     assert router_config(vl, vl.served_name).request_router_kwargs["key_prefix"] == "pg:m:vl"
     from gateway.app import build_app
 
     built = {d.name: d for d in _deployments(build_app(AppConfig.from_dict(args)))}
     assert set(built) == {"Gateway", "PrefixCacheReplica-chat", "PrefixCacheReplica-vl"}
     assert built["PrefixCacheReplica-chat"].num_replicas == 2 and built["PrefixCacheReplica-vl"].num_replicas == 1
-    assert ReplicaSettings.from_dict(built["PrefixCacheReplica-vl"].init_args[0]).vllm is not None
+    assert isinstance(ReplicaSettings.from_dict(built["PrefixCacheReplica-vl"].init_args[0]).engine, VllmEngineSettings)
+    assert "runtime_env" in built["PrefixCacheReplica-vl"].ray_actor_options  # vLLM's interpreter, from its spec
+    assert "runtime_env" not in built["PrefixCacheReplica-chat"].ray_actor_options
     for bad, says in [({"models": [{"name": "a", "gpu": 1}]}, "unknown keys"),
                       ({"models": [{"name": "a"}, {"name": "a"}]}, "named twice"),
                       ({"models": [{"path": "/x"}]}, "non-empty string `name`"),

@@ -4,14 +4,17 @@ and vLLM's min_tokens / ignore_eos on our engine's sampler and through the gatew
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
-from gateway.app import vllm_settings
 from gateway.config import AppConfig
 from gateway.openai_models import CompletionRequest
-from replica.backends.engine_protocol import Capabilities, EngineBackend, ModelFacts
+from replica.backends.engine_protocol import ENGINE_NAMES, Capabilities, EngineBackend, ModelFacts
+from replica.backends.engines import engine_spec, spec_of
 from replica.backends.local_backend import ModelBackend, SimBackend
+from replica.backends.model_spec import ModelEngineSettings
+from replica.backends.sim_spec import SimEngineSettings
 from replica.model.sampler import Sampler
 from replica.serve.replica_settings import ReplicaSettings
 from router.decider import Decider
@@ -19,23 +22,52 @@ from router.policy import AffinityPullPolicy, ReplicaView, RouteRequest
 from router.protocol.sampling import SamplingParams
 
 
-def test_settings_name_one_backend():
-    assert ReplicaSettings().engine_name == "model"
-    assert ReplicaSettings(sim={}).engine_name == "sim"
-    assert ReplicaSettings(vllm={}).engine_name == "vllm"
-    with pytest.raises(ValueError, match="not both"):
-        ReplicaSettings(sim={}, vllm={}).engine_name  # noqa: B018
+def test_settings_carry_one_engine_by_its_tag():
+    """A replica's settings hold exactly one engine's (a tagged union): through Serve as plain
+    data tagged with the engine's name, decoded into the same type and checked on entry."""
+    assert isinstance(ReplicaSettings().engine, ModelEngineSettings)
+    for name in ENGINE_NAMES:
+        settings = ReplicaSettings(engine=AppConfig(engine=name).engine_settings("m"), torch_threads=2)
+        wire = settings.to_dict()
+        assert wire["engine"]["engine"] == name and isinstance(wire["engine"]["config"], dict)
+        back = ReplicaSettings.from_dict(wire)
+        assert back == settings and spec_of(back.engine) is engine_spec(name)
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.engine\.engine"):
+        ReplicaSettings.from_dict({"engine": {"engine": "tensorrt"}})
+    with pytest.raises(msgspec.ValidationError, match="vllm"):  # one engine's settings, not a sim's with vLLM's
+        ReplicaSettings.from_dict({"engine": {"engine": "sim", "config": {}, "vllm": {}}})
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.engine\.config\.num_blocks"):
+        ReplicaSettings.from_dict({"engine": {"engine": "sim", "config": {"num_blocks": "many"}}})
 
 
 def test_vllm_block_size_defaults_to_32_and_16_is_refused_before_start():
     assert AppConfig(engine="vllm").block_size == 32 and AppConfig().block_size == 16
-    assert vllm_settings(AppConfig(engine="vllm", kv_cache_mb=1536))["cpu_kvcache_gib"] == 2
+    assert AppConfig(engine="vllm", kv_cache_mb=1536).engine_settings("m").vllm.cpu_kvcache_gib == 2
     with pytest.raises(ValueError, match="multiple of 32"):
-        vllm_settings(AppConfig(engine="vllm", block_size=16))
+        AppConfig(engine="vllm", block_size=16)
+    assert AppConfig(engine="vllm", block_size=16, device="cuda").block_size == 16  # vLLM's CPU backend's rule
     with pytest.raises(ValueError, match="unknown engine"):
         AppConfig(engine="tensorrt")
-    with pytest.raises(TypeError):
-        vllm_settings(AppConfig(engine="vllm", vllm={"no_such_knob": 1}))
+    with pytest.raises(ValueError, match=r"vllm: unknown keys \['no_such_knob'\]"):
+        AppConfig(engine="vllm", vllm={"no_such_knob": 1})
+    with pytest.raises(ValueError, match="cpu_kvcache_gib"):
+        AppConfig(engine="vllm", vllm={"cpu_kvcache_gib": "lots"})
+
+
+def test_each_engine_spec_holds_its_rules():
+    """What differs by engine comes from its spec: the default block size, the settings it
+    refuses (named, with where the engine's own knob is), its replicas' Ray actor."""
+    assert [engine_spec(n).default_block_size for n in ENGINE_NAMES] == [16, 16, 32]
+    for kwargs, says in [({"engine": "vllm", "kv_host_mb": 64}, "K/V tiers; engine vllm has none"),
+                         ({"engine": "sim", "dtype": "bfloat16"}, "dtype is our engine's; engine sim"),
+                         ({"engine": "vllm", "compile": True}, "enforce_eager=false")]:
+        with pytest.raises(ValueError, match=says):
+            AppConfig(**kwargs)
+    AppConfig(dtype="bfloat16", compile=True, kv_host_mb=64)  # our engine takes all three
+    sim, vllm = AppConfig(engine="sim"), AppConfig(engine="vllm", vllm_python="/opt/vllm/bin/python")
+    assert sim.engine_spec.actor_options(sim) == {"num_cpus": sim.sim_replica_num_cpus}
+    assert vllm.engine_spec.actor_options(vllm)["runtime_env"] == {"py_executable": "/opt/vllm/bin/python"}
+    assert "runtime_env" not in AppConfig().engine_spec.actor_options(AppConfig())
 
 
 def test_pull_hints_only_between_replicas_that_can_pull():
@@ -138,7 +170,7 @@ def _stream_host(backend, replica_id: str = "me"):
     from replica.serve.replica_settings import ReplicaSettings
 
     return SimpleNamespace(replica_id=replica_id, draining=False, backend=backend, kv_pull=None, audit=None,
-                           metrics=SimpleNamespace(request=_Record), settings=ReplicaSettings(sim={}))
+                           metrics=SimpleNamespace(request=_Record), settings=ReplicaSettings(engine=SimEngineSettings()))
 
 
 def test_a_pull_hint_reaches_the_sim_engine_as_a_typed_extra_and_only_from_another_replica():

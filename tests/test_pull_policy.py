@@ -346,7 +346,6 @@ def test_scaled_transfer_moves_and_computes_a_block_as_at_512_tokens():
     pull and to compute as a 512-token block at the simulator's scale, on both sides."""
     from dataclasses import replace
 
-    from gateway.app import sim_settings
     from loadtest.fleet import FleetSpec, app_config, settings_for, workload
     from loadtest.fleet_report import sim_result
     from router.sim.trace import scale_transfer
@@ -362,8 +361,8 @@ def test_scaled_transfer_moves_and_computes_a_block_as_at_512_tokens():
     s, kept, _ = settings_for(spec, workload(spec), 16)
     # the live sim replicas get the same scaled pull model the simulator uses
     cfg = app_config(spec, s, "affinity-pull", "redis://127.0.0.1:1", "x")
-    sim = sim_settings(replace(cfg, engine="sim"), "m")
-    assert sim["kv_bytes_per_token"] == pytest.approx(t.kv_bytes_per_token * 32)
+    sim = replace(cfg, engine="sim").engine_settings("m").config
+    assert sim.kv_bytes_per_token == pytest.approx(t.kv_bytes_per_token * 32)
     r = sim_result("affinity-pull", kept, s, spec.service)
     assert r.reasons.get("pull", 0) > 0  # the fleet's simulator side pulls, and counts them as hits
 

@@ -39,7 +39,7 @@ def test_imports_no_torch():
         import sys
         import replica.backends.sim_engine, replica.serve.deployment, gateway.server, gateway.app, gateway.tokenization
         from replica.serve.replica_settings import ReplicaSettings
-        ReplicaSettings.from_dict({"sim": {"num_blocks": 8}})
+        ReplicaSettings.from_dict({"engine": {"engine": "sim", "config": {"num_blocks": 8}}})
         heavy = sorted(m for m in ("torch", "replica.engine", "replica.model.model_runner", "replica.model.sampler") if m in sys.modules)
         print(heavy)
     """)

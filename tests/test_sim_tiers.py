@@ -130,13 +130,12 @@ def test_sim_engine_host_hit_matches_the_simulator():
 def test_fleet_runs_both_sides_with_the_same_tiers():
     """The fleet harness gives the live sim replicas and the simulator the same tiers and rates,
     and its pooled oracle counts them."""
-    from gateway.app import sim_settings
-
     spec = FleetSpec(trace="unused", capacity="10", host_blocks="4x", disk_blocks="100", host_rate=10e9)
     reqs = scale_rows([{"timestamp": i, "hash_ids": [1, 2, i + 3], "output_length": 1} for i in range(5)], BS, 1)
     s, kept, _ = settings_for(spec, reqs, 2)
     assert s.tiers == TierConfig(40, 100) and len(kept) == 5
-    sim = SimEngineConfig(**sim_settings(app_config(spec, s, "affinity", "redis://127.0.0.1:1/0", "k"), "m"))
+    sim = app_config(spec, s, "affinity", "redis://127.0.0.1:1/0", "k").engine_settings("m").config
+    assert isinstance(sim, SimEngineConfig)
     assert (sim.host_blocks, sim.disk_blocks) == (40, 100)
     assert sim.kv_host_bytes_per_s == 10e9 and sim.kv_disk_bytes_per_s == NVME_DISK_BYTES_S
     pooled, _ = oracles(kept, s)

@@ -25,6 +25,7 @@ from replica.default_model import DEFAULT_MODEL_NAME
 from replica.engine_config import EngineConfig
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.lora import adapter_ref
+from router.protocol.messages import GenerateRequest
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 MAX_TOKENS = 12
@@ -76,7 +77,8 @@ def _driver() -> None:
             rid = f"r{count}"
             params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True)
             pending, final = None, None
-            stream = backend.generate(prompt, params, rid, cache_salt=salt, adapter=refs[name] if name else None)
+            stream = backend.generate(GenerateRequest(prompt_token_ids=prompt, params=params, request_id=rid, cache_salt=salt,
+                                                      adapter=refs[name] if name else None))
             async for out in stream:
                 if pending is None:  # what generate() priced as the prefill still to compute
                     pending = backend._inflight[rid].prompt_tokens
@@ -265,18 +267,15 @@ def test_another_models_adapter_is_refused_and_the_replica_keeps_serving(served)
 
 def test_engine_vllm_takes_lora_settings(tmp_path):
     """The gateway passes LoRA to vLLM replicas (their EngineConfig), and refuses at build a
-    max_lora_rank vLLM's LoRAConfig would refuse at start."""
-    from gateway.app import engine_config, vllm_settings
-
+    max_lora_rank vLLM's LoRAConfig would refuse at start, when the config loads."""
     adapter = tmp_path / "sql"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     (adapter / "adapter_model.safetensors").write_bytes(b"weights")
     config = AppConfig.from_dict({"engine": "vllm", "lora": {"sql": str(adapter)}, "max_loras": 2,
                                   "max_cpu_loras": 3, "max_lora_rank": 8})
-    engine: EngineConfig = engine_config(config, "m")
+    engine: EngineConfig = config.engine_settings("m").config
     assert engine.lora and engine.lora_adapters == {"sql": str(adapter)}
     assert (engine.max_loras, engine.max_cpu_loras, engine.max_lora_rank) == (2, 3, 8)
-    assert vllm_settings(config) is not None
     with pytest.raises(ValueError, match="max_lora_rank in 1, 8, 16"):
-        vllm_settings(AppConfig.from_dict({"engine": "vllm", "enable_lora": True, "max_lora_rank": 4}))
+        AppConfig.from_dict({"engine": "vllm", "enable_lora": True, "max_lora_rank": 4})

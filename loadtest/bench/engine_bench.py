@@ -328,7 +328,7 @@ def _run(args: argparse.Namespace) -> int:
             args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
         return 0
     vllm_python = None
-    if args.against == "vllm":
+    if args.against:  # its only choice: vLLM
         from loadtest.bench import vllm_bench as bench_vllm
 
         vllm_python = bench_vllm.interpreter(args.vllm_python)

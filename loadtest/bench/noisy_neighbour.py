@@ -38,6 +38,7 @@ from gateway.config import AppConfig
 from gateway.stack import LocalStack
 from loadtest.bench.stack_options import add_config_option, add_ingress_option, config_overrides
 from loadtest.summary import percentile
+from replica.backends.engines import engine_spec
 
 RAY_WORKER_NICENESS = 15  # Ray starts its workers (the replicas, the gateway, the proxy) at this niceness
 KEYS = {"sk-flood": "flood", "sk-quiet": "quiet"}
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     # without one routes every request `stale` and runs flow control without heartbeats
     base = dict(engine=args.engine, replicas=args.replicas, api_keys=dict(KEYS), max_model_len=4096,
                 default_max_tokens=64, **{"redis_url": "auto", **overrides})
-    if args.engine == "sim":
+    if engine_spec(args.engine).default_num_blocks is not None:  # a pool of blocks, not of a model's memory (sim)
         base.setdefault("num_blocks", 4096)
     stack = LocalStack(AppConfig(flow_control=args.modes[0] == "on", **base), port=args.port, ingress=args.ingress)
     rows: list[Row] = []

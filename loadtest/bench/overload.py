@@ -30,6 +30,7 @@ from gateway.stack import LocalStack
 from loadtest.bench.noisy_neighbour import completion_body, stream_completion
 from loadtest.bench.stack_options import add_config_option, add_ingress_option, config_overrides
 from loadtest.summary import percentile
+from replica.backends.engines import engine_spec
 
 
 @dataclass
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     # without one routes every request `stale` and runs flow control without heartbeats
     config = dict(engine=args.engine, replicas=args.replicas, max_model_len=4096, queue_wait_default_s=args.queue_wait_s,
                   **{"redis_url": "auto", **overrides})
-    if args.engine == "sim":
+    if engine_spec(args.engine).default_num_blocks is not None:  # a pool of blocks, not of a model's memory (sim)
         config.setdefault("num_blocks", 4096)
     stack = LocalStack(AppConfig(**config), port=args.port, ingress=args.ingress)
     try:

@@ -158,11 +158,11 @@ class SimBackend(LocalBackend):
     name = "sim"
 
     @classmethod
-    async def create(cls, sim: dict) -> SimBackend:
+    async def create(cls, config: Any) -> SimBackend:
+        """`config`: the replica's SimEngineConfig (replica/backends/sim_spec.py SimEngineSettings)."""
         from replica.backends.sim_engine import SimEngine
-        from replica.engine_config import SimEngineConfig
 
-        return cls(SimEngine(SimEngineConfig(**sim)))
+        return cls(SimEngine(config))
 
     def _kv_bytes_per_token(self, engine) -> int:
         return int(engine.config.kv_bytes_per_token)  # modelled

@@ -1,7 +1,7 @@
 """The Ray Serve replica actor: one engine backend (replica/backends/engine_protocol.py), the publisher of
-its block hashes and heartbeat, and its K/V-pull peer. Which backend runs is
-`ReplicaSettings.engine_name` (replica/serve/replica_settings.py); a request's stream is
-replica/serve/request_stream.py, the heartbeat replica/serve/heartbeat.py."""
+its block hashes and heartbeat, and its K/V-pull peer. Which backend runs is the one engine its
+settings carry (`ReplicaSettings.engine`, decoded and checked on entry, replica/serve/replica_settings.py);
+a request's stream is replica/serve/request_stream.py, the heartbeat replica/serve/heartbeat.py."""
 
 from __future__ import annotations
 
