@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.protocol.sampling import MAX_LOGPROBS, MAX_STOP
+
 MAX_N = 8
-MAX_STOP = 4
-MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
 MAX_SESSION_KEY = 256  # characters of a routing session key, from any of its three sources
 
 

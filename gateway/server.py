@@ -38,12 +38,12 @@ from gateway.flow.tiers import replica_priority, request_tier
 from gateway.health import readiness
 from gateway.migration import MigrationPolicy, ResilientStream
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest, routing_session
+from gateway.request_builder import build_requests
 from gateway.request_run import RequestRun
 from gateway.served_model import ServedModel
 from router.protocol.lora import AdapterError, AdapterRef, adapter_ref
 from router.protocol.messages import GenerateRequest
 from router.protocol.redis_schema import RedisKeys
-from router.protocol.sampling import InvalidParam, SamplingParams
 
 log = logging.getLogger("prefixgate.gateway")
 RETRYABLE = (ray.exceptions.RayError, serve.exceptions.BackPressureError)  # the replica, not the request
@@ -269,33 +269,9 @@ class Gateway:
                   ) -> tuple[list[AsyncIterator[dict]], list[GenerateRequest]]:
         """The request's n replica streams, not started: nothing reaches a replica before one is
         read; and their requests, whose priority is set once admission has sent them."""
-        engine_params = body.engine_params()  # penalties, logprobs, response_format, logit_bias: the same for each choice
-        vocab = served.prompts.vocab_size
-        if any(t >= vocab for t in engine_params.get("logit_bias", ())):
-            raise bad_request(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
-        streams, reqs = [], []
-        for i in range(body.n):
-            params = {"max_tokens": max_tokens, "stop": list(body.stop or [])}
-            if body.temperature is not None:
-                params["temperature"] = body.temperature
-            if body.top_p is not None:
-                params["top_p"] = body.top_p
-            if body.top_k is not None and body.top_k > 0:
-                params["top_k"] = body.top_k
-            if body.seed is not None:
-                params["seed"] = (body.seed + i) % 2**63
-            if body.n > 1 and body.temperature is None:
-                params["temperature"] = 1.0  # n copies of a greedy answer would be identical
-            params.update(engine_params)
-            try:  # the replicas' own rules, checked here: a bad value is a 400 naming its field
-                sampling = SamplingParams(**params)
-            except InvalidParam as e:
-                raise bad_request(str(e), param=e.param) from None
-            req = GenerateRequest(prompt_token_ids=list(prompt_ids), params=sampling, prompt=prompt_text,
-                                  session_id=session, cache_salt=tenant, adapter=adapter)
-            streams.append(self._replica_stream(served, req))
-            reqs.append(req)
-        return streams, reqs
+        reqs = build_requests(body, prompt_ids, prompt_text, max_tokens=max_tokens,
+                              vocab_size=served.prompts.vocab_size, session=session, tenant=tenant, adapter=adapter)
+        return [self._replica_stream(served, req) for req in reqs], reqs
 
     # ---- endpoints ------------------------------------------------------------------------
     @app.post("/v1/chat/completions", openapi_extra=_schema(ChatCompletionRequest))

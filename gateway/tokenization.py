@@ -10,7 +10,6 @@ themselves (their `info()`), fetched once on the first request, never from engin
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerFast
 
@@ -18,22 +17,9 @@ from gateway.config import AppConfig
 from gateway.errors import APIError, bad_request
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from replica.default_model import resolve_model
+from router.protocol.model_facts import ModelFacts
 
 FACTS_TIMEOUT_S = 60.0  # how long the first request waits for a replica to describe the model
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the gateway needs to know about the served model, as a replica reports it."""
-
-    max_model_len: int
-    vocab_size: int
-    pool_tokens: int  # tokens one replica's K/V pool holds
-
-    @classmethod
-    def from_info(cls, info: dict) -> ModelFacts:
-        pool = info.get("pool_tokens") or info["max_model_len"]
-        return cls(int(info["max_model_len"]), int(info["vocab_size"]), int(pool))
 
 
 class PromptBuilder:
@@ -68,7 +54,9 @@ class PromptBuilder:
 
     @property
     def pool_tokens(self) -> int:
-        return self._facts().pool_tokens
+        """Tokens one replica's pool holds (the context where a replica does not know its pool)."""
+        facts = self._facts()
+        return facts.pool_tokens or facts.max_model_len
 
     def _facts(self) -> ModelFacts:
         if self.facts is None:
@@ -103,8 +91,8 @@ class PromptBuilder:
         if any(t < 0 or t >= self.vocab_size for t in prompt):
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         # text for routers that match on characters (Ray's prefix router): ids spelled out keep
-        # equal id prefixes as equal text prefixes
-        return list(prompt), " ".join(map(str, prompt))
+        # equal id prefixes as equal text prefixes; the parsed list goes on as it is (no copy)
+        return prompt, " ".join(map(str, prompt))
 
     def check_length(self, prompt_ids: list[int], requested: int | None) -> int:
         """max_tokens to use; refuses what cannot fit the context or a replica's K/V pool."""

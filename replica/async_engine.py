@@ -19,12 +19,11 @@ import collections
 import concurrent.futures
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from replica.core.engine_types import NO_OPTIONS, AddOptions, EngineStats, RequestOutput
-from router.protocol.sampling import SamplingParams
+from replica.core.engine_types import EngineStats, RequestOutput
+from router.protocol.messages import GenerateRequest
 
 if TYPE_CHECKING:  # the sim engine duck-types it; importing it at run time would load torch
     from replica.engine import LLMEngine
@@ -55,27 +54,20 @@ class AsyncLLMEngine:
         self._thread.start()
 
     # ---- callers (any thread / event loop) ----------------------------------------------
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        options: AddOptions = NO_OPTIONS,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest, kv_prefix: Any = None) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token; the last has finished=True.
 
-        Invalid requests raise InvalidRequestError before anything is queued. `options`: a
-        migrated stream's output, priority, adapter, pulled K/V (the engine's add_request_with).
+        Invalid requests raise InvalidRequestError before anything is queued. The request goes to
+        the engine as it is (`add`), with the K/V a pull brought, where there is one.
         """
-        rid = request_id or uuid.uuid4().hex
+        rid = request.request_id
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def add(engine: LLMEngine) -> None:
             if rid in self._streams:
                 raise ValueError(f"duplicate request id {rid}")
-            engine.add_request_with(prompt, params, rid, cache_salt, options)
+            engine.add(request, kv_prefix)
             self._streams[rid] = (loop, queue)
 
         finished = False

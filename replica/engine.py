@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from replica.core.detokenizer import Detokenizer
 from replica.core.engine_core import EngineCore
-from replica.core.engine_types import AddOptions, InvalidRequestError, RequestOutput
+from replica.core.engine_types import InvalidRequestError, RequestOutput
 from replica.core.sequence import Sequence
 from replica.default_model import resolve_model
 from replica.engine_config import EngineConfig
@@ -31,6 +31,7 @@ from replica.model.model_runner import ModelRunner, default_dtype
 from replica.model.sampler import Sampler
 from replica.model.token_text import TokenText
 from router.protocol.lora import AdapterError, AdapterRef, adapter_ref
+from router.protocol.messages import GenerateRequest
 from router.protocol.sampling import SamplingParams
 
 log = logging.getLogger("prefixgate.replica.engine")
@@ -111,31 +112,18 @@ class LLMEngine(EngineCore):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids")
             return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return super().tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template")
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
-    def add_request(
-        self,
-        prompt: str | Seq[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        prefix_output_token_ids: Seq[int] = (),
-        prefix_text_len: int | None = None,
-        kv_prefix: kv_transfer.KvBlocks | None = None,
-        adapter: str | None = None,
-        priority: int = 0,
-    ) -> str:
-        """See EngineCore.new_sequence for a migrated stream's prefix. kv_prefix: the prompt's
-        leading blocks pulled from another replica, imported into the cache before the request
-        is queued (docs/kv-pull.md); blocks that do not fit are recomputed. adapter: the name
-        of a served LoRA adapter to run the request under. priority: lower runs first."""
-        seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len,
-                                adapter, priority)
+    def add(self, request: GenerateRequest, kv_prefix: kv_transfer.KvBlocks | None = None) -> str:
+        """Queue `request` (EngineCore.add). kv_prefix: the prompt's leading blocks pulled from
+        another replica, imported into the cache before the request is queued (docs/kv-pull.md);
+        blocks that do not fit are recomputed. The library's keyword form is `add_request`."""
+        seq = self.new_sequence(request)
         try:
             self.sampler.add(seq)  # compiles a response_format grammar: refused here, not mid-batch
         except ValueError as e:
@@ -144,14 +132,6 @@ class LLMEngine(EngineCore):
             self._import_kv(kv_prefix, seq)
         self.enqueue(seq)
         return seq.request_id
-
-    def add_request_with(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str | None,
-                         cache_salt: str | None, options: AddOptions) -> str:
-        """add_request with its options as one typed value (AsyncLLMEngine's way in)."""
-        if options.kv_pull_blocks:
-            raise InvalidRequestError("this engine imports pulled K/V (kv_prefix), not a modelled pull")
-        return self.add_request(prompt, params, request_id, cache_salt, options.prefix_output_token_ids,
-                                options.prefix_text_len, options.kv_prefix, options.adapter, options.priority)
 
     def _import_kv(self, kv: kv_transfer.KvBlocks, seq: Sequence) -> None:
         """Pulled blocks into the cache; a payload that cannot be used only costs a recompute."""

@@ -8,6 +8,7 @@ import pytest
 
 from replica.async_engine import AsyncLLMEngine
 from replica.engine import InvalidRequestError, LLMEngine, SamplingParams
+from router.protocol.messages import GenerateRequest
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +106,13 @@ def test_async_streaming_and_cancellation(tiny_model_dirs):
 
     async def scenario():
         params = SamplingParams(max_tokens=6, ignore_eos=True)
-        deltas = [o async for o in aengine.generate([5, 6, 7, 8, 9], params)]
+        deltas = [o async for o in aengine.generate(GenerateRequest(prompt_token_ids=[5, 6, 7, 8, 9], params=params))]
         assert [len(d.new_token_ids) for d in deltas] == [1] * 6
         assert deltas[-1].finished and deltas[-1].token_ids == [t for d in deltas for t in d.new_token_ids]
 
         async def consume_two():
             n = 0
-            async for _ in aengine.generate([1] * 12, SamplingParams(max_tokens=100, ignore_eos=True)):
+            async for _ in aengine.generate(GenerateRequest(prompt_token_ids=[1] * 12, params=SamplingParams(max_tokens=100, ignore_eos=True))):
                 n += 1
                 if n == 2:
                     break  # client went away
@@ -120,7 +121,7 @@ def test_async_streaming_and_cancellation(tiny_model_dirs):
         both = await asyncio.gather(consume_two(), consume_two())
         assert both == [2, 2]
         with pytest.raises(InvalidRequestError):
-            async for _ in aengine.generate([], params):
+            async for _ in aengine.generate(GenerateRequest(prompt_token_ids=[], params=params)):
                 pass
 
     try:

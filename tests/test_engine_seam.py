@@ -173,10 +173,10 @@ def _stream_host(backend, replica_id: str = "me"):
                            metrics=SimpleNamespace(request=_Record), settings=ReplicaSettings(engine=SimEngineSettings()))
 
 
-def test_a_pull_hint_reaches_the_sim_engine_as_a_typed_extra_and_only_from_another_replica():
-    """The request stream hands the backend a RequestExtras: the sim engine models a pull named
-    by a hint from another replica, none from a hint naming itself; a request the backend cannot
-    honour (logprobs on the sim engine) is a 400 that names the field."""
+def test_a_pull_hint_reaches_the_sim_engine_in_the_request_and_only_from_another_replica():
+    """The request stream hands the backend the request with its pull hint: the sim engine models
+    a pull named by a hint from another replica, none from a hint naming itself; a request the
+    backend cannot honour (logprobs on the sim engine) is a 400 that names the field."""
     import asyncio
 
     from replica.backends.sim_engine import SimEngine
@@ -208,28 +208,32 @@ def test_a_pull_hint_reaches_the_sim_engine_as_a_typed_extra_and_only_from_anoth
         backend.shutdown()
 
 
-def test_engine_options_are_typed_and_an_engine_refuses_what_it_cannot_honour(tiny_model_dirs):
-    """Below the seam a request's options travel as one AddOptions into each engine's
-    add_request_with: our engine takes pulled K/V, not a modelled pull; the sim engine the
-    opposite; an adapter roots the sim engine's hashes as it does ours."""
+def test_one_request_reaches_each_engine_as_it_is_and_an_engine_refuses_what_it_cannot_honour(tiny_model_dirs):
+    """Below the seam the request travels as the one GenerateRequest into each engine's `add`:
+    our engine takes pulled K/V (a pull hint alone is only a hint to it), the sim engine models
+    the hint and refuses K/V bytes; the priority and the adapter reach the Sequence; an adapter
+    roots the sim engine's hashes as it does ours."""
     from replica.backends.sim_engine import SimEngine
-    from replica.core.engine_types import AddOptions, InvalidRequestError
+    from replica.core.engine_types import InvalidRequestError
     from replica.engine import LLMEngine
     from router.protocol.lora import AdapterRef
+    from router.protocol.messages import GenerateRequest, KvSource
 
     params = SamplingParams(max_tokens=1)
     real = LLMEngine(tiny_model_dirs["llama"], num_blocks=32)
-    with pytest.raises(InvalidRequestError, match="modelled pull"):
-        real.add_request_with([5] * 40, params, "r1", None, AddOptions(kv_pull_blocks=2))
-    assert real.add_request_with([5] * 40, params, "r2", None, AddOptions(priority=-1)) == "r2"
+    hinted = GenerateRequest(prompt_token_ids=[5] * 40, params=params, request_id="r2", priority=-1,
+                             pull=KvSource("other", 2))
+    assert real.add(hinted) == "r2"
     assert real.requests["r2"].priority == -1
 
     sim = SimEngine(num_blocks=64, max_loras=2)
     with pytest.raises(InvalidRequestError, match="no K/V"):
-        sim.add_request_with([5] * 40, params, "s1", None, AddOptions(kv_prefix=object()))
-    sim.add_adapter(AdapterRef(name="tutor", path="/adapters/tutor", digest="d1"))
-    sim.add_request_with(list(range(40)), params, "base", None, AddOptions())
-    sim.add_request_with(list(range(40)), params, "tutor", None, AddOptions(adapter="tutor", priority=1))
+        sim.add(GenerateRequest(prompt_token_ids=[5] * 40, params=params, request_id="s1"), kv_prefix=object())
+    tutor_ref = AdapterRef(name="tutor", path="/adapters/tutor", digest="d1")
+    sim.add_adapter(tutor_ref)
+    sim.add(GenerateRequest(prompt_token_ids=list(range(40)), params=params, request_id="base"))
+    sim.add(GenerateRequest(prompt_token_ids=list(range(40)), params=params, request_id="tutor", adapter=tutor_ref,
+                            priority=1))
     base, tutor = sim.requests["base"], sim.requests["tutor"]
     assert tutor.adapter == "tutor" and tutor.priority == 1
     assert base.table.hashes and base.table.hashes[0] != tutor.table.hashes[0]  # no hit across adapters

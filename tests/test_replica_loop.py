@@ -116,7 +116,7 @@ def test_inbox_orders_answers_after_their_effects(aengine):
 
     async def scenario():
         params = SamplingParams(max_tokens=50, ignore_eos=True)
-        gen = aengine.generate([5, 6, 7, 8, 9], params, request_id="a")
+        gen = aengine.generate(GenerateRequest(prompt_token_ids=[5, 6, 7, 8, 9], params=params, request_id="a"))
         first = await gen.__anext__()
         assert first.new_token_ids
         await gen.aclose()  # abort queued
@@ -125,7 +125,7 @@ def test_inbox_orders_answers_after_their_effects(aengine):
         assert blocks == 0
         s = aengine.stats()
         assert s.running == 0 and s.waiting == 0 and s.blocks_used == 0
-        out = [o async for o in aengine.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))]
+        out = [o async for o in aengine.generate(GenerateRequest(prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=3, ignore_eos=True)))]
         assert out[-1].finished and aengine.stats().generated_tokens >= 4
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
@@ -134,7 +134,7 @@ def test_inbox_orders_answers_after_their_effects(aengine):
 def test_hand_off_and_shutdown_fail_callers_cleanly(aengine):
     async def scenario():
         params = SamplingParams(max_tokens=200, ignore_eos=True)
-        gen = aengine.generate([3] * 10, params)
+        gen = aengine.generate(GenerateRequest(prompt_token_ids=[3] * 10, params=params))
         await gen.__anext__()
         assert await aengine.hand_off("draining") == 1
         with pytest.raises(EngineDeadError, match="draining"):
@@ -145,7 +145,7 @@ def test_hand_off_and_shutdown_fail_callers_cleanly(aengine):
         with pytest.raises(EngineDeadError):
             await aengine.submit(lambda e: None)
         with pytest.raises(EngineDeadError):
-            async for _ in aengine.generate([1, 2], params):
+            async for _ in aengine.generate(GenerateRequest(prompt_token_ids=[1, 2], params=params)):
                 pass
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))

@@ -20,6 +20,7 @@ from replica.core.engine_types import InvalidRequestError
 from replica.engine_config import SimEngineConfig
 from router.costs.service import ServiceModel
 from router.index.memory_index import InMemoryIndex
+from router.protocol.messages import GenerateRequest
 from router.protocol.sampling import SamplingParams
 from router.sim.replica import Job, SimReplica
 from router.sim.trace import prompt_tokens, scale_rows
@@ -176,7 +177,7 @@ def test_plugs_into_async_engine():
     async def main():
         a = AsyncLLMEngine(engine(block_size=16, num_blocks=64))
         try:
-            outs = [o async for o in a.generate(list(range(50)), SamplingParams(max_tokens=6))]
+            outs = [o async for o in a.generate(GenerateRequest(prompt_token_ids=list(range(50)), params=SamplingParams(max_tokens=6)))]
             return outs, a.stats()
         finally:
             a.shutdown()

@@ -20,6 +20,7 @@ import pytest
 
 from replica.async_engine import AsyncLLMEngine
 from replica.engine import LLMEngine, RequestOutput
+from router.protocol.messages import GenerateRequest
 from router.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -146,7 +147,8 @@ def test_async_soak_with_cancellations(tiny_model_dirs) -> None:
         walk_after = rng.randrange(0, 6) if rng.random() < ABORT_SHARE / 2 else None  # the consumer walks away
         streamed: list[int] = []
         final: RequestOutput | None = None
-        async for out in aengine.generate(prompt, params, request_id=f"soak-{i}", cache_salt=salt):
+        async for out in aengine.generate(GenerateRequest(prompt_token_ids=prompt, params=params, request_id=f"soak-{i}",
+                                                          cache_salt=salt)):
             streamed += out.new_token_ids
             final = out
             if walk_after is not None and len(streamed) >= walk_after and not out.finished:

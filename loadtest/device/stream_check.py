@@ -106,7 +106,7 @@ def _request(rng: random.Random, vocab: int, args: argparse.Namespace) -> Genera
 async def _engine_stream(host: StreamHost, req: GenerateRequest, t0: float) -> tuple[int, int, float]:
     tokens = events = 0
     first = None
-    async for out in host.backend.generate(req.prompt_token_ids, req.params, request_id=req.request_id):
+    async for out in host.backend.generate(req):
         if out.new_token_ids:
             first = first if first is not None else time.perf_counter() - t0
             tokens += len(out.new_token_ids)

@@ -12,14 +12,17 @@ Torch-free, like replica/core/engine_types.py: the gateway and the router import
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from replica.core.engine_types import EngineStats, RequestOutput
 from router.protocol.events import KVEventListener
 from router.protocol.lora import AdapterRef
-from router.protocol.sampling import SamplingParams
+from router.protocol.messages import GenerateRequest
+from router.protocol.model_facts import ModelFacts
+
+__all__ = ["ENGINE_NAMES", "Capabilities", "EngineBackend", "KvPullPeer", "ModelFacts"]
 
 ENGINE_NAMES = ("model", "sim", "vllm")
 
@@ -40,59 +43,19 @@ class Capabilities:
         """Pull hints are worth sending here (and pulling from here)."""
         return self.kv_export and self.kv_import
 
-    def refusal(self, params: SamplingParams, continuing: bool, adapter: bool = False) -> str | None:
+    def refusal(self, request: GenerateRequest) -> str | None:
         """Why a request cannot be honoured here (the field named), or None: a replica never
         silently ignores what a request asks for."""
-        if adapter and not self.lora:
+        params = request.params
+        if request.adapter is not None and not self.lora:
             return "model names a LoRA adapter, but this replica's engine was started without LoRA"
         if params.logprobs is not None and not self.logprobs:
             return "logprobs is not supported by this replica's engine"
         if (params.response_format or {}).get("type", "text") != "text" and not self.grammar:
             return "response_format is not supported by this replica's engine"
-        if continuing and not self.continuation:
+        if request.continuing and not self.continuation:
             return "prefix_output_token_ids (a migrated stream) is not supported by this replica's engine"
         return None
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What `info()` tells the gateway: the contract its tokeniser and limits are built on."""
-
-    engine: str  # one of ENGINE_NAMES
-    model_id: str  # served name, and the identity in block hashes
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_blocks: int  # the whole K/V pool of this replica
-    kv_bytes_per_token: int = 0  # 0: unknown; the router prices pulls with it
-
-    @property
-    def pool_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-
-@dataclass(frozen=True)
-class RequestExtras:
-    """What a request brings beyond its prompt, params, adapter and priority, typed so that each
-    backend reads the fields it declares and a new one is a change here, not a stray keyword.
-
-    - `prefix_output_token_ids`, `prefix_text_len`: a stream migrated from another replica
-      continues after the tokens (and the text) its client already has; every backend reads
-      them where `capabilities.continuation`.
-    - `kv_prefix`: K/V blocks a pull brought from another replica (replica/kv_io/kv_transfer.py
-      `KvBlocks`), imported before the prefill; read by our paged engine.
-    - `pull_blocks`: the router's pull hint named this many leading blocks on another replica;
-      the sim engine models that pull's cost (replica/backends/sim_engine.py), the paged engine
-      gets the bytes in `kv_prefix` instead.
-    """
-
-    prefix_output_token_ids: Sequence[int] = ()
-    prefix_text_len: int | None = None
-    kv_prefix: Any = None
-    pull_blocks: int = 0
-
-
-NO_EXTRAS = RequestExtras()
 
 
 class KvPullPeer(Protocol):
@@ -113,21 +76,14 @@ class EngineBackend(Protocol):
     facts: ModelFacts
     capabilities: Capabilities
 
-    def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        cache_salt: str | None = None,
-        adapter: AdapterRef | None = None,
-        priority: int = 0,
-        extras: RequestExtras = NO_EXTRAS,
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest, kv_prefix: Any = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's deltas; the last has finished=True. Raises InvalidRequestError
         before anything runs for a request the engine refuses, EngineDeadError when it stops.
-        `adapter`: the LoRA adapter to run under (where `capabilities.lora`), read first if new.
-        `priority`: vLLM's scheduling priority (lower first), the gateway's service tier.
-        `extras`: a migrated stream's sent output, pulled or hinted K/V (`RequestExtras`)."""
+        The request comes as the gateway built it (router/protocol/messages.py): its LoRA adapter
+        (where `capabilities.lora`) is read first if new, its priority is vLLM's scheduling
+        priority, a migrated stream continues after its prefix_output_token_ids, its pull hint is
+        modelled where the backend models pulls. `kv_prefix`: the K/V a pull brought, where the
+        backend imports it (replica/kv_io/kv_transfer.py `KvBlocks`)."""
         ...
 
     def pull_peer(self, replica_id: str, timeout_s: float) -> KvPullPeer | None:

@@ -10,23 +10,16 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from replica.async_engine import AsyncLLMEngine
-from replica.backends.engine_protocol import (
-    NO_EXTRAS,
-    Capabilities,
-    KvPullPeer,
-    ModelFacts,
-    RequestExtras,
-)
-from replica.core.engine_types import AddOptions, EngineStats, RequestOutput
+from replica.backends.engine_protocol import Capabilities, KvPullPeer, ModelFacts
+from replica.core.engine_types import EngineStats, RequestOutput
 from replica.engine_config import EngineConfig
 from router.protocol.events import KVEventListener
 from router.protocol.lora import AdapterRef
-from router.protocol.sampling import SamplingParams
+from router.protocol.messages import GenerateRequest
 
 
 class LocalBackend(abc.ABC):
@@ -53,27 +46,19 @@ class LocalBackend(abc.ABC):
     def _capabilities(self, engine) -> Capabilities:
         """What this engine does beyond streaming tokens (engine_protocol.Capabilities)."""
 
-    @abc.abstractmethod
-    def _options(self, extras: RequestExtras, priority: int) -> AddOptions:
-        """`extras` as the engine's add_request_with takes them."""
+    def generate(self, request: GenerateRequest, kv_prefix: Any = None) -> AsyncIterator[RequestOutput]:
+        if request.adapter is None:
+            return self.engine.generate(request, kv_prefix)
+        return self._generate_adapter(request, kv_prefix)
 
-    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
-                 cache_salt: str | None = None, adapter: AdapterRef | None = None, priority: int = 0,
-                 extras: RequestExtras = NO_EXTRAS) -> AsyncIterator[RequestOutput]:
-        options = self._options(extras, priority)
-        if adapter is None:
-            return self.engine.generate(prompt_token_ids, params, request_id, cache_salt, options)
-        return self._generate_adapter(adapter, prompt_token_ids, params, request_id, cache_salt,
-                                      dataclasses.replace(options, adapter=adapter.name))
-
-    async def _generate_adapter(self, adapter: AdapterRef, prompt_token_ids, params, request_id, cache_salt,
-                                options: AddOptions) -> AsyncIterator[RequestOutput]:
+    async def _generate_adapter(self, request: GenerateRequest, kv_prefix: Any) -> AsyncIterator[RequestOutput]:
         """Under a LoRA adapter, read from its directory first if this replica lacks it (one
         loaded at run time, or on a replica started since). An adapter already served costs no
         round trip to the step thread (a dict read; the add re-checks there)."""
+        adapter = request.adapter
         if self.engine.engine.adapters.get(adapter.name) != adapter:
             await self.engine.submit(lambda engine: serve_adapter(engine, adapter))
-        stream = self.engine.generate(prompt_token_ids, params, request_id, cache_salt, options)
+        stream = self.engine.generate(request, kv_prefix)
         async with contextlib.aclosing(stream) as outputs:
             async for out in outputs:
                 yield out
@@ -142,9 +127,6 @@ class ModelBackend(LocalBackend):
     def _capabilities(self, engine) -> Capabilities:
         return Capabilities(kv_export=True, kv_import=True, lora=engine.adapter_slots is not None)
 
-    def _options(self, extras: RequestExtras, priority: int) -> AddOptions:
-        return AddOptions(extras.prefix_output_token_ids, extras.prefix_text_len, priority, kv_prefix=extras.kv_prefix)
-
     def pull_peer(self, replica_id: str, timeout_s: float) -> KvPullPeer | None:
         from replica.kv_io import kv_pull
 
@@ -171,10 +153,6 @@ class SimBackend(LocalBackend):
         # it models pulls (so routers send it hints), but has no logits or grammar to honour
         return Capabilities(kv_export=True, kv_import=True, logprobs=False, grammar=False,
                             lora=engine.adapter_slots is not None)
-
-    def _options(self, extras: RequestExtras, priority: int) -> AddOptions:
-        return AddOptions(extras.prefix_output_token_ids, extras.prefix_text_len, priority,
-                          kv_pull_blocks=extras.pull_blocks)
 
     def load_extra(self) -> dict[str, int | float]:
         e = self.engine.engine

@@ -26,17 +26,19 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import xxhash
 
 from replica.core.detokenizer import Detokenizer
 from replica.core.engine_core import EngineCore
-from replica.core.engine_types import AddOptions, InvalidRequestError, RequestOutput, TierUsage
+from replica.core.engine_types import InvalidRequestError, RequestOutput, TierUsage
 from replica.core.scheduler import ScheduledChunk
 from replica.core.sequence import Sequence
 from replica.engine_config import SimEngineConfig
 from router.costs.adapter_memory import AdapterLru, LoraConfig
 from router.costs.tier_costs import copy_s, tier_rate
+from router.protocol.messages import GenerateRequest, KvSource
 from router.protocol.sampling import SamplingParams
 
 __all__ = ["SimEngine", "StepLag", "fake_token_text"]
@@ -185,34 +187,34 @@ class SimEngine(EngineCore):
         self.adapter_memory = AdapterLru(LoraConfig(config.max_cpu_loras, config.lora_load_ms))
 
     # ---- submission ---------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt: str | Seq[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        prefix_output_token_ids: Seq[int] = (),
-        prefix_text_len: int | None = None,
-        kv_pull_blocks: int = 0,
-        priority: int = 0,
-        adapter: str | None = None,
-    ) -> str:
-        """As LLMEngine.add_request, token ids only (the gateway tokenises). `kv_pull_blocks`:
-        the router's pull hint, modelled (`_land_pulls`). `adapter`: a served adapter's name
-        (its identity roots the prompt's hashes; one not in the modelled host memory is read
-        first, delaying this request alone; its compute is not modelled)."""
-        seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len,
-                                adapter, priority)
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    cache_salt: str | None = None, *, kv_pull_blocks: int = 0, **keywords) -> str:
+        """As LLMEngine.add_request, token ids only (the gateway tokenises); `kv_pull_blocks`: a
+        pull hint of that many leading blocks, modelled (`add`)."""
+        request = self.request(prompt, params, request_id, cache_salt, **keywords)
+        if kv_pull_blocks:
+            request.pull = KvSource(replica_id="", num_blocks=kv_pull_blocks)
+        return self.add(request)
+
+    def add(self, request: GenerateRequest, kv_prefix: Any = None) -> str:
+        """Queue `request`; its pull hint (`request.pull`) is modelled (`_land_pulls`): the
+        request waits the modelled transfer of its hinted blocks not held here. Under an adapter
+        (its identity roots the prompt's hashes) not in the modelled host memory, it waits the
+        read first. Either delays this request alone; an adapter's compute is not modelled."""
+        if kv_prefix is not None:
+            raise InvalidRequestError("the sim engine models pulls (a pull hint); it takes no K/V")
+        seq = self.new_sequence(request)
         self._digest[seq.request_id] = xxhash.xxh64_intdigest(array("I", seq.prompt_token_ids).tobytes(), seed=seq.params.seed or 0)
         bs = self.config.block_size
-        pull = min(kv_pull_blocks, len(seq.table.hashes), max(seq.num_prompt_tokens - 1, 0) // bs)
+        hinted = request.pull.num_blocks if request.pull is not None else 0
+        pull = min(hinted, len(seq.table.hashes), max(seq.num_prompt_tokens - 1, 0) // bs)
         missing = sum(h not in self.blocks.hash_to_block for h in seq.table.hashes[:pull])
         wait_s = self.transfer.pull_s(missing * bs) if missing else 0.0
         if missing:
             self.pulls += 1
             if len(self.pull_times) < 100_000:
                 self.pull_times.append(wait_s)
-        if adapter is not None and self.adapter_memory.use(self.adapters[adapter].identity):
+        if seq.adapter is not None and self.adapter_memory.use(self.adapters[seq.adapter].identity):
             wait_s += self.config.lora_load_ms / 1000
         if wait_s:
             self.requests[seq.request_id] = seq
@@ -220,14 +222,6 @@ class SimEngine(EngineCore):
         else:
             self.enqueue(seq)
         return seq.request_id
-
-    def add_request_with(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str | None,
-                         cache_salt: str | None, options: AddOptions) -> str:
-        """add_request with its options as one typed value (AsyncLLMEngine's way in)."""
-        if options.kv_prefix is not None:
-            raise InvalidRequestError("the sim engine models pulls (kv_pull_blocks); it takes no K/V")
-        return self.add_request(prompt, params, request_id, cache_salt, options.prefix_output_token_ids,
-                                options.prefix_text_len, options.kv_pull_blocks, options.priority, options.adapter)
 
     def _land_pulls(self) -> None:
         """Hinted requests whose modelled transfer has ended: their blocks not held here go into

@@ -35,7 +35,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,21 +43,16 @@ import zmq
 import zmq.asyncio
 
 from replica.async_engine import EngineDeadError
-from replica.backends.engine_protocol import (
-    NO_EXTRAS,
-    Capabilities,
-    KvPullPeer,
-    ModelFacts,
-    RequestExtras,
-)
+from replica.backends.engine_protocol import Capabilities, KvPullPeer, ModelFacts
 from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings
-from replica.core.engine_types import EngineStats, InvalidRequestError, RequestOutput
+from replica.core.engine_types import EngineStats, InvalidRequestError, RequestOutput, refuse_unfit
 from replica.core.request_metrics import RequestMetrics
 from replica.default_model import resolve_model
 from replica.engine_config import EngineConfig
 from router.protocol.events import KVEventListener
 from router.protocol.hashing import block_hashes
 from router.protocol.lora import AdapterError, AdapterRef, adapter_ref, weights_file
+from router.protocol.messages import GenerateRequest
 from router.protocol.sampling import SamplingParams
 from router.vllm_events import EventTranslator, pump_events
 
@@ -213,30 +208,6 @@ class VllmBackend:
         return backend
 
     # ---- requests ------------------------------------------------------------------------
-    def validate(self, token_ids: list[int], params: SamplingParams, prefix: list[int]) -> None:
-        """What our engines refuse, refused the same way (a 400 naming the field), before vLLM
-        sees the request."""
-        try:
-            params.validate()
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        f = self.facts
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty")
-        for name, ids in (("prompt token ids", token_ids), ("prefix_output_token_ids", prefix)):
-            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < f.vocab_size for t in ids):
-                raise InvalidRequestError(f"{name} must be integers in [0, {f.vocab_size})")
-        if prefix and len(prefix) >= params.max_tokens:
-            raise InvalidRequestError("prefix_output_token_ids must be shorter than max_tokens")
-        total = len(token_ids) + params.max_tokens
-        if total > f.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                f"model's context of {f.max_model_len} tokens")
-        needed = -(-total // f.block_size)
-        if needed > f.num_blocks:
-            raise InvalidRequestError(f"request needs {needed} blocks but the pool has {f.num_blocks}")
-
     def sampling_params(self, params: SamplingParams, prefix_len: int):
         """Our SamplingParams as vLLM's (deltas out, OpenAI's stop-string rules)."""
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -262,20 +233,20 @@ class VllmBackend:
             logit_bias=dict(params.logit_bias) or None,
         )
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None, adapter: AdapterRef | None = None,
-                       priority: int = 0, extras: RequestExtras = NO_EXTRAS) -> AsyncIterator[RequestOutput]:
-        """A migrated stream (`extras.prefix_output_token_ids`) continues as a longer prompt: vLLM
+    async def generate(self, request: GenerateRequest, kv_prefix: Any = None) -> AsyncIterator[RequestOutput]:
+        """A migrated stream (`request.prefix_output_token_ids`) continues as a longer prompt: vLLM
         computes or hits the earlier output, and the text the client has not seen yet leads the
-        first delta. No pulls reach it (its capabilities declare none), so the K/V fields are unread.
-        Under a LoRA `adapter`, vLLM loads it first if it has not taken it yet (its refusal is an
-        InvalidRequestError with vLLM's words)."""
+        first delta. No pulls reach it (its capabilities declare none), so `kv_prefix` and the
+        pull hint are unread. Under a LoRA adapter, vLLM loads it first if it has not taken it yet
+        (its refusal is an InvalidRequestError with vLLM's words). What our engines refuse is
+        refused the same way (a 400 naming the field) before vLLM sees the request."""
         if self._stopped:
             raise EngineDeadError("engine is shut down")
-        prompt = list(prompt_token_ids)
-        prefix = list(extras.prefix_output_token_ids)
-        prefix_text_len = extras.prefix_text_len
-        self.validate(prompt, params, prefix)
+        f = self.facts
+        refuse_unfit(request, f.vocab_size, f.max_model_len, f.block_size, f.num_blocks)
+        prompt, prefix, params = request.prompt_token_ids, request.prefix_output_token_ids, request.params
+        request_id, cache_salt, adapter, prefix_text_len = (request.request_id, request.cache_salt, request.adapter,
+                                                            request.prefix_text_len)
         if request_id in self._inflight:
             raise InvalidRequestError(f"duplicate request id {request_id}")
         try:
@@ -306,7 +277,8 @@ class VllmBackend:
         token_ids = list(prefix)
         text_so_far = ""
         try:
-            stream = self.engine.generate(inputs, vllm_params, request_id, lora_request=lora_request, priority=priority)
+            stream = self.engine.generate(inputs, vllm_params, request_id, lora_request=lora_request,
+                                          priority=request.priority)
             async for out in self._guarded(stream, request_id, state):
                 o = out.outputs[0]
                 new_ids = list(o.token_ids)

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 from replica.core.adapter_slots import AdapterSlots
 from replica.core.detokenizer import Detokenizer
@@ -25,8 +25,8 @@ from replica.core.engine_types import (
     RequestOutput,
     TierUsage,
     UnknownAdapterError,
+    refuse_unfit,
     request_output,
-    validate_request,
 )
 from replica.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.core.sequence import Sequence
@@ -35,6 +35,7 @@ from replica.kvcache.kv_tiers import CopyStats, TierMover
 from router.protocol.events import KVEventListener
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.lora import AdapterRef
+from router.protocol.messages import GenerateRequest
 from router.protocol.sampling import SamplingParams
 
 log = logging.getLogger("prefixgate.replica.engine")
@@ -114,44 +115,65 @@ class EngineCore:
     def tokenize(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
             raise InvalidRequestError("this engine takes token ids, not text")
-        return list(prompt)
+        return prompt if type(prompt) is list else list(prompt)
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Refuse what could never run, before it touches the scheduler."""
-        validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.blocks)
-
-    def new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str | None,
-                     cache_salt: str | None, prefix_output_token_ids: Seq[int], prefix_text_len: int | None,
-                     adapter: str | None = None, priority: int = 0) -> Sequence:
-        """A validated sequence, not queued yet. prefix_output_token_ids: output another replica
-        already generated and sent (a migrated stream); they count as this request's output for
-        max_tokens, stop strings and text, and are recomputed (or hit in the cache) with the
-        prompt; prefix_text_len is how much of their text the client has seen (default: all)."""
-        params = params or SamplingParams()
+    def request(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
+                cache_salt: str | None = None, prefix_output_token_ids: Seq[int] = (),
+                prefix_text_len: int | None = None, adapter: str | None = None, priority: int = 0) -> GenerateRequest:
+        """The request struct the library's keyword form (`add_request`) describes: text is
+        tokenised, `adapter` names a served adapter (UnknownAdapterError if none)."""
         ref = None
         if adapter is not None:
             ref = self.adapters.get(adapter)
             if ref is None:
                 raise UnknownAdapterError(f"adapter {adapter!r} is not loaded on this replica")
-        token_ids = self.tokenize(prompt)
-        self.validate(token_ids, params)
-        prefix = list(prefix_output_token_ids)
-        if prefix:
-            if len(prefix) >= params.max_tokens:
-                raise InvalidRequestError("prefix_output_token_ids must be shorter than max_tokens")
-            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in prefix):
-                raise InvalidRequestError(f"prefix_output_token_ids must be integers in [0, {self.vocab_size})")
-        seed = self.hash_seed(cache_salt, ref.identity if ref else None)
-        seq = Sequence(token_ids, params, seed, **({"request_id": request_id} if request_id else {}))
-        seq.adapter = adapter
-        seq.priority = priority
-        if seq.request_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {seq.request_id}")
+        return GenerateRequest(
+            prompt_token_ids=self.tokenize(prompt), params=params or SamplingParams(),
+            **({"request_id": request_id} if request_id else {}), cache_salt=cache_salt, adapter=ref,
+            priority=priority, prefix_output_token_ids=list(prefix_output_token_ids), prefix_text_len=prefix_text_len,
+        )
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    cache_salt: str | None = None, *, prefix_output_token_ids: Seq[int] = (),
+                    prefix_text_len: int | None = None, adapter: str | None = None, priority: int = 0,
+                    kv_prefix: Any = None) -> str:
+        """The library's entry: queue a request given as keywords (see `request`; `new_sequence`
+        for a migrated stream's prefix; `add` for kv_prefix); `priority`: vLLM's, lower first."""
+        return self.add(self.request(prompt, params, request_id, cache_salt, prefix_output_token_ids,
+                                     prefix_text_len, adapter, priority), kv_prefix)
+
+    def add(self, request: GenerateRequest, kv_prefix: Any = None) -> str:
+        """Queue `request` as it came (the backends' way in); returns its id. `kv_prefix`: K/V
+        blocks a pull brought from another replica, where the engine imports them (ours)."""
+        if kv_prefix is not None:
+            raise InvalidRequestError("this engine takes no pulled K/V")
+        seq = self.new_sequence(request)
+        self.enqueue(seq)
+        return seq.request_id
+
+    def new_sequence(self, request: GenerateRequest) -> Sequence:
+        """A checked sequence, not queued yet. A migrated stream's prefix_output_token_ids:
+        output another replica already generated and sent; they count as this request's output
+        for max_tokens, stop strings and text, and are recomputed (or hit in the cache) with the
+        prompt; prefix_text_len is how much of their text the client has seen (None: all)."""
+        ref = None
+        if request.adapter is not None:
+            ref = self.adapters.get(request.adapter.name)
+            if ref is None:
+                raise UnknownAdapterError(f"adapter {request.adapter.name!r} is not loaded on this replica")
+        refuse_unfit(request, self.vocab_size, self.max_model_len, self._block_size, self.blocks.num_blocks)
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id}")
+        seed = self.hash_seed(request.cache_salt, ref.identity if ref else None)
+        seq = Sequence(request.prompt_token_ids, request.params, seed, request_id=request.request_id)
+        seq.adapter = ref.name if ref else None
+        seq.priority = request.priority
+        prefix = request.prefix_output_token_ids
         if prefix:
             seq.token_ids.extend(prefix)
             seq.emitted_tokens = len(prefix)
             self.detokenizer.update(seq, check_stops=False)
-            sent = len(seq.output_text) if prefix_text_len is None else prefix_text_len
+            sent = len(seq.output_text) if request.prefix_text_len is None else request.prefix_text_len
             seq.emitted_text_len = max(0, min(sent, len(seq.output_text)))
         seq.table.hashes = block_hashes(seq.token_ids, self._block_size, seq.hash_seed)
         seq.arrival_time = time.monotonic()
@@ -287,14 +309,6 @@ class EngineCore:
                     if out.request_id in logprobs:  # the whole output's logprobs, not the last token's
                         out.logprobs = logprobs.pop(out.request_id)
         return [final[i] for i in ids]
-
-    def add_request(self, prompt, params=None, request_id=None, cache_salt=None, prefix_output_token_ids=(),
-                    prefix_text_len=None, adapter=None, priority: int = 0) -> str:
-        """Queue a request; `priority`: vLLM's, lower is scheduled earlier (replica/core/scheduler.py)."""
-        seq = self.new_sequence(prompt, params, request_id, cache_salt, prefix_output_token_ids, prefix_text_len,
-                                adapter, priority)
-        self.enqueue(seq)
-        return seq.request_id
 
     def queued_elsewhere(self) -> tuple[int, int]:
         """(requests, prompt tokens) admitted but not in the scheduler yet (a modelled pull)."""

@@ -9,16 +9,14 @@ loading either.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from replica.core.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
     from replica.core.sequence import Sequence
-    from replica.kvcache.block_manager import BlockManager
-    from router.protocol.sampling import SamplingParams
+    from router.protocol.messages import GenerateRequest
 
 
 class InvalidRequestError(ValueError):
@@ -27,23 +25,6 @@ class InvalidRequestError(ValueError):
 
 class UnknownAdapterError(InvalidRequestError):
     """A request names a LoRA adapter this engine does not serve (a 404, as vLLM answers)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AddOptions:
-    """What an engine's add_request takes beyond the prompt, sampling, id and salt, as one typed
-    value from the backend (which builds it from the request's RequestExtras) through
-    AsyncLLMEngine to the engine, which refuses a field it cannot honour (`add_request_with`)."""
-
-    prefix_output_token_ids: Seq[int] = ()  # a migrated stream's output so far
-    prefix_text_len: int | None = None
-    priority: int = 0  # lower runs first
-    adapter: str | None = None  # a served LoRA adapter's name
-    kv_prefix: Any = None  # replica.kv_io.kv_transfer.KvBlocks, pulled K/V: our engine only
-    kv_pull_blocks: int = 0  # the router's pull hint, modelled: the sim engine only
-
-
-NO_OPTIONS = AddOptions()
 
 
 @dataclass
@@ -133,23 +114,26 @@ def request_output(seq: Sequence, text: str, scheduled_at: float | None) -> Requ
     )
 
 
-def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                     blocks: BlockManager) -> None:
-    """What both engines refuse before a request touches the scheduler: bad parameters, an empty
-    or out-of-vocabulary prompt, more than the context, more blocks than the whole pool."""
-    try:
-        params.validate()
-    except ValueError as e:
-        raise InvalidRequestError(str(e)) from None
+def refuse_unfit(request: GenerateRequest, vocab_size: int, max_model_len: int, block_size: int,
+                 num_blocks: int) -> None:
+    """What every engine (ours, the sim, vLLM's backend) refuses before a request touches its
+    scheduler: an empty or out-of-vocabulary prompt or continuation, more than the context, more
+    blocks than the whole pool. The sampling parameters were checked where the request entered the
+    process (SamplingParams, `checked_request`); the prompt ids' types are checked here, once."""
+    token_ids, prefix, max_tokens = request.prompt_token_ids, request.prefix_output_token_ids, request.params.max_tokens
     if not token_ids:
         raise InvalidRequestError("prompt is empty")
-    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in token_ids):
-        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})")
-    total = len(token_ids) + params.max_tokens
+    for name, ids in (("prompt token ids", token_ids), ("prefix_output_token_ids", prefix)):
+        if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
+            raise InvalidRequestError(f"{name} must be integers in [0, {vocab_size})")
+    if prefix and len(prefix) >= max_tokens:
+        raise InvalidRequestError("prefix_output_token_ids must be shorter than max_tokens")
+    total = len(token_ids) + max_tokens
     if total > max_model_len:
         raise InvalidRequestError(
-            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
             f"model's context of {max_model_len} tokens"
         )
-    if blocks.blocks_needed(total) > blocks.num_blocks:
-        raise InvalidRequestError(f"request needs {blocks.blocks_needed(total)} blocks but the pool has {blocks.num_blocks}")
+    needed = -(-total // block_size)
+    if needed > num_blocks:
+        raise InvalidRequestError(f"request needs {needed} blocks but the pool has {num_blocks}")

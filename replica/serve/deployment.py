@@ -114,12 +114,7 @@ class PrefixCacheReplica:
             stats["kv_pull"] = asdict(self.kv_pull.snapshot())
         return {
             "replica": self.replica_id,
-            "model_id": facts.model_id,
-            "max_model_len": facts.max_model_len,
-            "vocab_size": facts.vocab_size,
-            "block_size": facts.block_size,
-            "pool_tokens": facts.pool_tokens,
-            "engine": facts.engine,
+            **facts.as_info(),
             "capabilities": asdict(self.backend.capabilities),
             "pid": os.getpid(),
             "torch_loaded": "torch" in sys.modules,

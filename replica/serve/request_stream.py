@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import msgspec
 
 from replica.async_engine import EngineDeadError
-from replica.backends.engine_protocol import NO_EXTRAS, EngineBackend, KvPullPeer, RequestExtras
+from replica.backends.engine_protocol import EngineBackend, KvPullPeer
 from replica.core.engine_types import InvalidRequestError, UnknownAdapterError
 from replica.serve.audit import outcome
 from replica.serve.keepalive import with_keepalive
@@ -30,6 +30,7 @@ from router.protocol.messages import (
     EndChunk,
     ErrorChunk,
     GenerateRequest,
+    KvSource,
     RouteDecision,
     StartChunk,
     checked_request,
@@ -57,24 +58,22 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
     try:
         try:
             request = checked_request(request)
-        except (msgspec.ValidationError, TypeError) as e:
+        except (msgspec.MsgspecError, TypeError, ValueError) as e:
             raise InvalidRequestError(f"malformed request: {e}") from e
-        refused = replica.backend.capabilities.refusal(request.params, bool(request.prefix_output_token_ids),
-                                                       request.adapter is not None)
+        refused = replica.backend.capabilities.refusal(request)
         if refused is not None:
             raise InvalidRequestError(refused)
-        extras = NO_EXTRAS
-        # a pull hint can take up to kv_pull_timeout_s: keepalives go out meanwhile too
-        async with contextlib.aclosing(with_keepalive(_once(_engine_extras(replica, request, route)), KEEPALIVE_S)) as prep:
-            async for got in prep:
-                if got is None:
-                    yield AliveChunk()
-                else:
-                    extras = got
-        stream = replica.backend.generate(
-            request.prompt_token_ids, request.params, request_id=request.request_id,
-            cache_salt=request.cache_salt, adapter=request.adapter, priority=request.priority, extras=extras,
-        )
+        request.pull = _pull_hint(replica, route)
+        kv_prefix = None
+        if request.pull is not None and replica.kv_pull is not None:
+            # a pull can take up to kv_pull_timeout_s: keepalives go out meanwhile too
+            async with contextlib.aclosing(with_keepalive(_once(_pull(replica, request)), KEEPALIVE_S)) as prep:
+                async for got in prep:
+                    if got is None:
+                        yield AliveChunk()
+                    else:
+                        kv_prefix = got
+        stream = replica.backend.generate(request, kv_prefix)
         batched = batched_outputs(stream, replica.settings.stream_interval_s, KEEPALIVE_S)
         first_token_t = None
         async with contextlib.aclosing(batched) as outputs:
@@ -103,20 +102,18 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
         rec.close()  # ended without finishing (client gone, engine failed): counted as abort
 
 
-async def _once(awaitable: Awaitable[RequestExtras]) -> AsyncIterator[RequestExtras]:
+async def _once(awaitable: Awaitable[Any]) -> AsyncIterator[Any]:
     yield await awaitable
 
 
-async def _engine_extras(replica: StreamHost, request: GenerateRequest, route: RouteDecision | None) -> RequestExtras:
-    """What the backend gets beyond the prompt: a migrated stream's sent tokens, the router's
-    pull hint, and the K/V it brought where this replica's backend moves bytes (`kv_pull`)."""
+def _pull_hint(replica: StreamHost, route: RouteDecision | None) -> KvSource | None:
+    """The router's pull hint as this replica acts on it: none when the holder is itself."""
     pull = route.pull if route is not None else None
-    pull_blocks = pull.num_blocks if pull is not None and pull.replica_id != replica.replica_id else 0
-    kv = None
-    if pull_blocks and replica.kv_pull is not None:
-        adapter = request.adapter.identity if request.adapter is not None else None
-        kv = await replica.kv_pull.pull(pull, request.prompt_token_ids, request.cache_salt, adapter)
-    migrated = bool(request.prefix_output_token_ids)  # a stream continued from another replica
-    return RequestExtras(prefix_output_token_ids=request.prefix_output_token_ids if migrated else (),
-                         prefix_text_len=request.prefix_text_len if migrated else None, kv_prefix=kv,
-                         pull_blocks=pull_blocks)
+    return pull if pull is not None and pull.num_blocks and pull.replica_id != replica.replica_id else None
+
+
+async def _pull(replica: StreamHost, request: GenerateRequest) -> Any:
+    """The hinted prefix's K/V from its holder, where this replica's backend moves bytes (None:
+    the holder did not answer in time or no longer holds it; the prompt is computed)."""
+    adapter = request.adapter.identity if request.adapter is not None else None
+    return await replica.kv_pull.pull(request.pull, request.prompt_token_ids, request.cache_salt, adapter)

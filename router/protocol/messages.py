@@ -68,28 +68,57 @@ class RouteDecision(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
+    """One request, from the gateway's parse to the engine's Sequence (vLLM's EngineCoreRequest,
+    nano-vllm's Sequence): built once by the gateway (gateway/request_builder.py), checked once
+    where it enters a replica process (`checked_request`), and handed as it is to the backend
+    (`EngineBackend.generate(request)`) and to the engine core (`EngineCore.add`). The prompt ids
+    are never copied on the way; the Sequence takes its one working copy. A field a later
+    feature needs (latency objectives, a prefill/decode hand-over) is added here, with a default."""
+
     prompt_token_ids: list[int]
     params: SamplingParams
+    request_id: str = msgspec.field(default_factory=lambda: uuid.uuid4().hex)
     prompt: str = ""  # rendered prompt text: read only by Ray's PrefixCacheAffinityRouter baseline
     session_id: str | None = None
     cache_salt: str | None = None  # tenant salt: tenants never share cached blocks
-    request_id: str = msgspec.field(default_factory=lambda: uuid.uuid4().hex)
-    # a migrated stream: output another replica generated and the client already got (token
-    # ids, and how many characters of their text were sent); the replica continues after them
-    prefix_output_token_ids: list[int] = msgspec.field(default_factory=list)
-    prefix_text_len: int = 0
     # the LoRA adapter the request's `model` names (None: the base model); a replica without it
     # reads it from its path first (adapters loaded at run time reach replicas this way)
     adapter: AdapterRef | None = None
     # vLLM's scheduling priority, lower first: the gateway's service tier, then whether the
     # tenant had other requests in flight (gateway/flow/tiers.py replica_priority)
     priority: int = 0
+    # a migrated stream (gateway/migration.py): output another replica generated and the client
+    # already got (token ids, and how many characters of their text were sent; None: all of it);
+    # the replica continues after them
+    prefix_output_token_ids: list[int] = msgspec.field(default_factory=list)
+    prefix_text_len: int | None = None
+    # the router's pull hint, as the replica that runs the request acts on it: set on entry from
+    # the decision that travels beside the request (never by the gateway, so a retry cannot carry
+    # an earlier attempt's hint); our engine gets the pulled K/V itself, the sim engine models it
+    pull: KvSource | None = None
+
+    @property
+    def continuing(self) -> bool:
+        """A stream migrated from another replica (it continues after prefix_output_token_ids)."""
+        return bool(self.prefix_output_token_ids)
 
 
 def checked_request(request: Any) -> GenerateRequest:
-    """`request` re-validated field by field (types and SamplingParams' rules), as it enters a
-    replica: Ray unpickles whatever was sent, and a wrong field must be a clear error here."""
-    return msgspec.convert(msgspec.to_builtins(request), GenerateRequest)
+    """`request` checked as it enters a replica process: Ray unpickles whatever was sent, so every
+    field is re-validated by its type (SamplingParams' rules included), and a wrong one raises
+    msgspec.ValidationError naming it. The prompt ids are not copied: the list is checked for its
+    type here, and each id against the vocabulary where the engine checks its limits
+    (replica/core/engine_types.py `refuse_unfit`), once."""
+    if not isinstance(request, GenerateRequest):
+        return msgspec.convert(request, GenerateRequest)
+    ids = request.prompt_token_ids
+    if type(ids) is not list:
+        raise msgspec.ValidationError(f"Expected `array`, got `{type(ids).__name__}` - at `$.prompt_token_ids`")
+    rest = msgspec.structs.asdict(request)
+    rest["prompt_token_ids"] = []
+    checked = msgspec.convert(msgspec.to_builtins(rest), GenerateRequest)
+    checked.prompt_token_ids = ids
+    return checked
 
 
 # ---- what a replica streams back, one chunk at a time --------------------------------------

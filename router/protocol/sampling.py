@@ -1,8 +1,10 @@
 """Per-request generation settings: part of the gateway -> replica contract.
 
-One typed struct, built and validated by the gateway (a bad value is a 400 naming the field
-before anything reaches a replica) and checked again where the request enters the replica
-(router/protocol/messages.py `checked_request`). The engines read it as is.
+One typed struct with its limits defined here once (the gateway's schema reads them too). It is
+validated when it is built (`__post_init__`): by the gateway, once per request (a bad value is a
+400 naming the field before anything reaches a replica), and where the request enters a replica
+process (router/protocol/messages.py `checked_request`, which rebuilds it). The engines read it
+as is and never re-check it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import msgspec
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs and vLLM's default cap
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI's range per bias: [-100, 100])
+MAX_STOP = 4  # stop strings per request, as OpenAI's API
 
 
 class InvalidParam(ValueError):
@@ -67,8 +70,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise InvalidParam("top_k", f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise InvalidParam("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidParam("stop", "stop must be at most 16 non-empty strings")
+        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidParam("stop", f"stop must be at most {MAX_STOP} non-empty strings")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidParam("min_tokens", f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
