@@ -168,7 +168,9 @@ class Gateway:
                                                     self.config.gateways, self.gateway_id)
                        for cfg in self.config.model_configs()}
         keys = RedisKeys(self.config.key_prefix, self.config.index_buckets)
-        self.limiter = RateLimiter(self.config.redis_url, keys, share=1 / max(self.config.gateways, 1))
+        # an admission's Redis budget: the limiter's own, or the app's Redis timeout when that is longer
+        self.limiter = RateLimiter(self.config.redis_url, keys, share=1 / max(self.config.gateways, 1),
+                                   timeout_s=max(RateLimiter.TIMEOUT_S, self.config.redis_timeout_s))
         m.start(self)  # Ray metrics: rare-event counters at 0, in-flight gauge kept fresh
         for model in self.served.values():
             model.flow.start()  # its gauges at 0 from the start, when constructed on the event loop

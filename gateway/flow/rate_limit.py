@@ -11,6 +11,14 @@ OpenAI's headers: x-ratelimit-{limit,remaining,reset}-{requests,tokens}, resets 
 Redis away (an error or a timeout): this gateway enforces its local share of each limit
 (limit / gateways) in process, says so in /health (`rate_limits: local`), and tries Redis
 again after a cool-down.
+
+The connection (topology detection, the script's load: a few round trips) is made once, by one
+task that every admission waiting for it shares, on its own budget (`connect_timeout_s`), not
+an admission's: an admission is then one script call within `timeout_s`. Until Redis has failed
+once, admissions wait for that connection, so a gateway that has just started never answers
+with its local share because its first connection, on a busy machine, took more than one
+admission's budget; a refused connection still fails at once. After a failure, reconnecting goes
+on in the background while admissions use the local share.
 """
 
 from __future__ import annotations
@@ -112,12 +120,17 @@ class LocalBuckets:
 
 
 class RateLimiter:
-    def __init__(self, redis_url: str | None, keys: RedisKeys, share: float = 1.0, timeout_s: float = 0.25,
-                 cooldown_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    TIMEOUT_S = 0.25  # an admission's budget for its one script call (the gateway: this or its redis_timeout_s)
+
+    def __init__(self, redis_url: str | None, keys: RedisKeys, share: float = 1.0, timeout_s: float = TIMEOUT_S,
+                 cooldown_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 connect_timeout_s: float = 5.0) -> None:
         self.redis_url, self.keys, self.share = redis_url, keys, share
         self.timeout_s, self.cooldown_s, self.clock = timeout_s, cooldown_s, clock
+        self.connect_timeout_s = max(connect_timeout_s, timeout_s)
         self.local = LocalBuckets(clock)
         self._client = None
+        self._connecting: asyncio.Task | None = None  # the one connection attempt in progress
         self._down_until = 0.0
         self.problem: str | None = None if redis_url else "no Redis configured"
 
@@ -132,7 +145,8 @@ class RateLimiter:
             return Verdict(True, {})
         if self.redis_url and self.clock() >= self._down_until:
             try:
-                answer = await asyncio.wait_for(self._script(tenant.name, rpm, tpm, tokens), self.timeout_s)
+                client = await self._connected()
+                answer = await asyncio.wait_for(self._script(client, tenant.name, rpm, tpm, tokens), self.timeout_s)
                 if self.problem:
                     log.info("rate limits shared through Redis again")
                 self.problem = None
@@ -142,32 +156,72 @@ class RateLimiter:
                 if self.problem is None or not self.problem.startswith("redis"):
                     log.warning("rate limits: Redis unavailable (%r); enforcing this gateway's share", e)
                 self.problem = f"redis unavailable for rate limits: {type(e).__name__}: {e}"
-                await self._drop()
+                if not isinstance(e, TimeoutError):  # a timeout: Redis is slow, not gone; keep the connection
+                    await self._drop()
         lrpm = max(1, math.floor(rpm * self.share)) if rpm else 0
         ltpm = max(1, math.floor(tpm * self.share)) if tpm else 0
         return verdict(self.local.take(tenant.name, lrpm, ltpm, tokens), lrpm, ltpm, tokens)
 
-    async def _script(self, tenant: str, rpm: int, tpm: int, tokens: int) -> list:
-        from redis.exceptions import NoScriptError
+    async def _connected(self):
+        """The client, connected by one attempt that concurrent admissions share (shielded: an
+        admission whose request goes away does not cancel it). Before any failure an admission
+        waits for it (`connect_timeout_s` bounds it); after one, at most `timeout_s`, while the
+        attempt goes on for the admissions after it."""
+        if self._client is not None:
+            return self._client
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+            self._connecting.add_done_callback(self._connected_or_not)
+        wait = self.timeout_s if self.problem else None
+        return await asyncio.wait_for(asyncio.shield(self._connecting), wait)
 
+    def _connected_or_not(self, task: asyncio.Task) -> None:
+        connected = not task.cancelled() and task.exception() is None
+        if self._connecting is task:
+            self._connecting = None
+            if connected:
+                self._client = task.result()
+        elif connected:  # the limiter closed while it connected: nobody will use this client
+            task.get_loop().create_task(_close_quietly(task.result()))
+
+    async def _connect(self):
         from router.index.redis_index import open_client
 
-        if self._client is None:
-            self._client = await open_client(self.redis_url, self.timeout_s)
+        async def connect():
+            client = await open_client(self.redis_url, self.connect_timeout_s)
+            try:
+                await client.script_load(RATE_LIMIT_SCRIPT)
+            except BaseException:
+                await _close_quietly(client)
+                raise
+            return client
+
+        return await asyncio.wait_for(connect(), self.connect_timeout_s)
+
+    async def _script(self, client, tenant: str, rpm: int, tpm: int, tokens: int) -> list:
+        from redis.exceptions import NoScriptError
+
         keys = self.keys.rate_limit(tenant)
         args = (rpm, tpm, 1, tokens)
         try:
-            return await self._client.evalsha(SCRIPT_SHA, 2, *keys, *args)
-        except NoScriptError:
-            return await self._client.eval(RATE_LIMIT_SCRIPT, 2, *keys, *args)
+            return await client.evalsha(SCRIPT_SHA, 2, *keys, *args)
+        except NoScriptError:  # Redis restarted (or failed over) since the script was loaded
+            return await client.eval(RATE_LIMIT_SCRIPT, 2, *keys, *args)
 
     async def _drop(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            try:
-                await asyncio.wait_for(client.aclose(), 0.5)
-            except Exception:
-                pass
+            await _close_quietly(client)
 
     async def close(self) -> None:
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:
+            connecting.cancel()
         await self._drop()
+
+
+async def _close_quietly(client) -> None:
+    try:
+        await asyncio.wait_for(client.aclose(), 0.5)
+    except Exception:
+        pass
