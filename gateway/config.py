@@ -130,7 +130,8 @@ class AppConfig:
     key_prefix: str = setting(_ROUTER.key_prefix, help="Redis key prefix: several deployments can share one Redis")
     index_buckets: int = setting(_ROUTER.index_buckets, help="hash tags of the block index; replicas and routers get this one value")
     redis_timeout_s: float = setting(_ROUTER.redis_timeout_s, help="per routing lookup; a lost connection or 3 timeouts "
-                                                                   "in a row: Redis skipped for 1 s")
+                                                                   "in a row: Redis skipped for 1 s. Also each shared "
+                                                                   "rate-limit admission's budget when above 0.25 s")
     # the gateway
     gateways: int = setting(1, help="ingress replicas, each with its own router (they share only Redis)")
     gateway_num_cpus: float = setting(0.25, help="Ray CPUs reserved per gateway")
