@@ -2,6 +2,7 @@
 
     prefixgate bench engine [--requests 16] [--new-tokens 64] [--skip-baselines] [--json out.json]
     prefixgate bench engine --against vllm [--dtype float32|bfloat16] [--rounds 3]
+    prefixgate bench engine --thin [--thin-rows 16 64 256] [--against vllm]   # host time per step
     python -m loadtest.bench.engine_bench ...
 
 Scenario 1 (prefix cache): a 100-token system prompt followed by 10 questions (190 tokens), sent
@@ -13,6 +14,9 @@ that hit, and time to first token.
 Scenario 2 (throughput): N requests sharing a system prompt, all submitted at once, against
 transformers' continuous batching (`model.generate_batch`, sdpa) and sequential
 `model.generate`, in one process on the same weights, greedy, exactly --new-tokens each.
+
+--thin replaces both: ms per step on a thin Qwen3 built on the spot, whose arithmetic is
+negligible, so the figure is the engine's host time (loadtest/bench/host_time.py).
 """
 
 from __future__ import annotations
@@ -284,8 +288,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--skip-sequential", action="store_true",
                    help="skip the timed sequential baseline (still checks --check requests against it)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="scenario 2: rounds of ours and generate_batch, interleaved; report medians")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="scenario 2: rounds of ours and generate_batch, interleaved; report medians "
+                        "(default 1; --thin: 3)")
     p.add_argument("--cpu-limit", type=float, default=400.0,
                    help="output tok/s this CPU allows at most (ENVIRONMENT.md), for the share printed")
     p.add_argument("--against", choices=["vllm"], default=None,
@@ -304,7 +309,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--short-len", type=int, default=32, help="--decode-memory: short context length")
     p.add_argument("--long-len", type=int, default=1024, help="--decode-memory: long context length")
     p.add_argument("--num-short", type=int, default=32, help="--decode-memory: short sequences")
-    return p.parse_args(argv)
+    p.add_argument("--thin", action="store_true",
+                   help="only measure host time per step: a thin Qwen3 (28 layers, hidden 64) built in a temp "
+                        "directory, random prompts, temperature 0.6 (loadtest/bench/host_time.py)")
+    p.add_argument("--thin-rows", type=int, nargs="+", default=[16, 64, 256], help="--thin: row counts (batch sizes)")
+    p.add_argument("--thin-prompt-tokens", type=int, default=32, help="--thin: tokens per random prompt")
+    args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.thin else 1
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,6 +348,14 @@ def _run(args: argparse.Namespace) -> int:
         if vllm_python is None:
             print(bench_vllm.missing_message(args.vllm_python), file=sys.stderr, flush=True)
             return bench_vllm.MISSING_EXIT
+    if args.thin:
+        from loadtest.bench import host_time
+
+        result = host_time.run(args, vllm_python, say)
+        host_time.report(result, say)
+        if args.json:
+            args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        return 0
     t0 = time.perf_counter()
     engine = LLMEngine(model=args.model, dtype=args.dtype, compile=args.compile)
     say(f"model {engine.model_path.name} loaded in {time.perf_counter() - t0:.1f} s; "

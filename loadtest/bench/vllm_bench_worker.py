@@ -2,11 +2,12 @@
 as a child process, so the main process never imports vLLM (it pins other transformers).
 
 Protocol: JSON lines. The first line on stdin is the engine job (`model`, `dtype`, `threads`,
-`block_size`, `enforce_eager`, ...); the worker builds `vllm.LLM`, answers
+`block_size`, `enforce_eager`, optionally `max_num_seqs` and `max_num_batched_tokens`, ...); the worker builds `vllm.LLM`, answers
 `{"ready": true, "startup_s": ...}`, then answers one line per command line:
 
 - `{"op": "batch", "prompts": [[ids]], "max_tokens": n}`: prefix cache reset, all prompts in one
-  `LLM.generate` (greedy, EOS ignored); `{"elapsed_s", "output_tokens", "token_ids"}`.
+  `LLM.generate` (greedy unless `"temperature"` is given, EOS ignored);
+  `{"elapsed_s", "output_tokens", "token_ids"}`.
 - `{"op": "one_by_one", "prompts": ..., "max_tokens": n, "reset_each": bool}`: one request per
   `generate`, the cache reset once first (or before each); per request `ttft_s` from
   `RequestOutput.metrics.first_token_latency` (`ttft_source` says so) or, where vLLM gives no
@@ -56,6 +57,7 @@ class Worker:
             block_size=job["block_size"], max_model_len=job["max_model_len"], gpu_memory_utilization=0.5,
             seed=0, enable_prefix_caching=True, disable_log_stats=False,  # metrics carry the TTFT
             skip_tokenizer_init=job.get("skip_tokenizer_init", False),
+            **{k: job[k] for k in ("max_num_seqs", "max_num_batched_tokens") if k in job},
         )
         self.startup_s = time.perf_counter() - t0
         self.detokenize = not job.get("skip_tokenizer_init", False)
@@ -68,22 +70,23 @@ class Worker:
         except AttributeError:
             return {}
 
-    def _params(self, max_tokens: int):
-        """Greedy, exactly max_tokens; detokenized as a deployed vLLM would (ours detokenizes too)."""
+    def _params(self, max_tokens: int, temperature: float = 0.0):
+        """Exactly max_tokens (greedy by default); detokenized as a deployed vLLM would (ours detokenizes too)."""
         from vllm import SamplingParams
 
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=self.detokenize)
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                              detokenize=self.detokenize)
 
-    def _generate(self, prompts: list[list[int]], max_tokens: int):
+    def _generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0):
         from vllm.inputs import TokensPrompt
 
-        return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], self._params(max_tokens),
-                                 use_tqdm=False)
+        return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                 self._params(max_tokens, temperature), use_tqdm=False)
 
-    def batch(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    def batch(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> dict[str, Any]:
         self.llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        outs = self._generate(prompts, max_tokens)
+        outs = self._generate(prompts, max_tokens, temperature)
         elapsed = time.perf_counter() - t0
         ids = [list(o.outputs[0].token_ids) for o in outs]
         return {"elapsed_s": elapsed, "output_tokens": sum(map(len, ids)), "token_ids": ids,
@@ -121,7 +124,7 @@ def main() -> None:
         if cmd["op"] == "quit":
             break
         if cmd["op"] == "batch":
-            answer = worker.batch(cmd["prompts"], cmd["max_tokens"])
+            answer = worker.batch(cmd["prompts"], cmd["max_tokens"], cmd.get("temperature", 0.0))
         elif cmd["op"] == "one_by_one":
             answer = worker.one_by_one(cmd["prompts"], cmd["max_tokens"], cmd.get("reset_each", False))
         else:
