@@ -38,10 +38,11 @@ class PromptBuilder:
                 if self.facts is None:
                     try:
                         info = await asyncio.wait_for(replicas.info.remote(), FACTS_TIMEOUT_S)
+                        facts = ModelFacts.from_info(info)  # checked as they enter (ValidationError)
                     except Exception as e:
                         raise APIError(503, f"no replica could describe the model yet ({type(e).__name__}); retry shortly",
                                        "server_error", code="replicas_unavailable", headers={"Retry-After": "5"}) from None
-                    self.facts = ModelFacts.from_info(info)
+                    self.facts = facts
         return self.facts
 
     @property

@@ -171,7 +171,11 @@ def test_prompt_builder_matches_autotokenizer_and_takes_facts_from_replicas(defa
     with pytest.raises(APIError) as err:
         asyncio.run(builder.ready(_Handle(None)))
     assert err.value.status == 503 and builder.facts is None
-    handle = _Handle({"max_model_len": 2048, "vocab_size": 49152, "pool_tokens": 100, "block_size": 16})
+    with pytest.raises(APIError) as err:  # facts the contract does not describe: the replica is not ready
+        asyncio.run(builder.ready(_Handle({"max_model_len": 2048})))
+    assert err.value.status == 503 and builder.facts is None
+    handle = _Handle({"engine": "model", "model_id": "m", "max_model_len": 2048, "vocab_size": 49152,
+                      "block_size": 4, "num_blocks": 25, "pool_tokens": 100, "replica": "r1"})
     asyncio.run(builder.ready(handle))
     asyncio.run(builder.ready(handle))
     assert handle.calls == 1 and builder.pool_tokens == 100 and builder.max_model_len == 2048

@@ -25,7 +25,6 @@ from replica.default_model import DEFAULT_MODEL_NAME
 from replica.engine_config import EngineConfig
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.lora import adapter_ref
-from router.protocol.messages import GenerateRequest
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 MAX_TOKENS = 12
@@ -45,6 +44,7 @@ def _driver() -> None:
     from replica.engine_config import EngineConfig
     from router.protocol.hashing import block_hashes
     from router.protocol.lora import adapter_ref
+    from router.protocol.messages import GenerateRequest
     from router.protocol.sampling import SamplingParams
 
     job = json.load(sys.stdin)
@@ -77,8 +77,9 @@ def _driver() -> None:
             rid = f"r{count}"
             params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True)
             pending, final = None, None
-            stream = backend.generate(GenerateRequest(prompt_token_ids=prompt, params=params, request_id=rid, cache_salt=salt,
-                                                      adapter=refs[name] if name else None))
+            request = GenerateRequest(prompt_token_ids=prompt, params=params, request_id=rid, cache_salt=salt,
+                                      adapter=refs[name] if name else None)
+            stream = backend.generate(request)
             async for out in stream:
                 if pending is None:  # what generate() priced as the prefill still to compute
                     pending = backend._inflight[rid].prompt_tokens
