@@ -39,8 +39,8 @@ def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
     the request itself all complete, and the step is still the same one afterwards."""
     key_prefix = f"loop-{uuid.uuid4().hex[:6]}"
     settings = {
-        "engine": {"model": default_model_dir, "max_num_batched_tokens": 2048, "max_model_len": 2048,
-                   "kv_cache_bytes": 96 * 2**20},
+        "engine": {"engine": "model", "config": {"model": default_model_dir, "max_num_batched_tokens": 2048,
+                                                 "max_model_len": 2048, "kv_cache_bytes": 96 * 2**20}},
         "redis_url": redis_server.url, "key_prefix": key_prefix,
     }
 

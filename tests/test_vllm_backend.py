@@ -164,6 +164,18 @@ def test_a_schema_with_integers_beyond_64_bits_is_served_by_vllm(vllm_app):
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
 
 
+def test_json_object_is_served_by_vllm(vllm_app):
+    """response_format json_object carries no schema: its conversion to vLLM's parameters read
+    one and raised KeyError, so every replica failed the request and it was a 503 (found by the
+    chat fuzz test below)."""
+    url, _ = vllm_app
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "A JSON object, please."}], "max_tokens": 8,
+            "response_format": {"type": "json_object"}, "logprobs": True, "stream": True}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+
+
 def test_logit_bias_steers_vllm_as_our_engine(vllm_app, default_model_dir):
     """logit_bias reaches vLLM's sampler: +100 on a token makes a greedy run produce only it."""
     from transformers import AutoTokenizer

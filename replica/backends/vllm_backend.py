@@ -219,9 +219,11 @@ class VllmBackend:
             # the schema as JSON text: vLLM ships a dict to its engine core with msgspec, which
             # refuses integers beyond 64 bits (valid JSON, and valid in a schema's keywords), and
             # that failure looked like a dead engine on every replica (a 503, never a 400)
-            schema = fmt["schema"] if isinstance(fmt["schema"], dict) else {}
-            structured = (StructuredOutputsParams(json_object=True) if fmt["type"] == "json_object"
-                          else StructuredOutputsParams(json=json.dumps(schema)))
+            if fmt["type"] == "json_object":  # no schema: any JSON object
+                structured = StructuredOutputsParams(json_object=True)
+            else:
+                schema = fmt.get("schema")
+                structured = StructuredOutputsParams(json=json.dumps(schema if isinstance(schema, dict) else {}))
         return VllmSamplingParams(
             max_tokens=params.max_tokens - prefix_len,
             min_tokens=max(0, params.min_tokens - prefix_len),
