@@ -256,7 +256,7 @@ def pull_app(stack, redis_server):
 
     prefix = f"pullm-{uuid.uuid4().hex[:6]}"
     config = AppConfig(replicas=2, policy="affinity-pull", redis_url=redis_server.url, key_prefix=prefix,
-                       kv_cache_mb=128, max_model_len=2048, default_max_tokens=16, redis_timeout_s=1.0,
+                       kv_cache_mb=256, max_model_len=4096, default_max_tokens=16, redis_timeout_s=1.0,
                        kv_pull_timeout_s=120.0)  # the pull itself is under test: a loaded machine must not time it out
     with side_app(stack, PULL_APP, config) as base:
         yield SimpleNamespace(url=base, keys=RedisKeys(prefix),
@@ -275,9 +275,11 @@ def _complete(app, prompt: list[int], max_tokens: int):
 
 
 def test_router_hint_makes_a_real_replica_pull(pull_app):
-    """A replica busy prefilling a long prompt (1,500 tokens, several chunks: seconds here) has
-    published the prompt's first chunk of blocks: affinity-pull sends the next request on that
-    prefix to the other replica with a hint, and that replica pulls the K/V for real."""
+    """A replica busy prefilling a long prompt (3,700 tokens, eight chunks: several seconds here)
+    has published the prompt's first chunk of blocks: affinity-pull sends the next request on
+    that prefix to the other replica with a hint, and that replica pulls the K/V for real. The
+    prompt was 1,500 tokens: its prefill once ended (a fresh clone on a loaded machine) before
+    the test had read the first chunk in the index and routed beside it."""
     app = pull_app
     base = _prompt(20 * BLOCK)
     hashes = [str(h) for h in block_hashes(base, BLOCK, chain_seed("SmolLM2-135M-Instruct"))]
@@ -286,7 +288,7 @@ def test_router_hint_makes_a_real_replica_pull(pull_app):
 
     def long_request() -> None:
         try:
-            reply["r"] = _complete(app, base + _prompt(1200), 1)
+            reply["r"] = _complete(app, base + _prompt(3400), 1)
         except BaseException as e:  # reported below
             reply["error"] = e
         finally:
