@@ -121,7 +121,8 @@ class EngineCore:
                 cache_salt: str | None = None, prefix_output_token_ids: Seq[int] = (),
                 prefix_text_len: int | None = None, adapter: str | None = None, priority: int = 0) -> GenerateRequest:
         """The request struct the library's keyword form (`add_request`) describes: text is
-        tokenised, `adapter` names a served adapter (UnknownAdapterError if none)."""
+        tokenised, a list of token ids is taken as it is (not copied: leave it unchanged while
+        the request runs), `adapter` names a served adapter (UnknownAdapterError if none)."""
         ref = None
         if adapter is not None:
             ref = self.adapters.get(adapter)
