@@ -54,6 +54,18 @@ def _sequences_made(engine) -> list:
     return made
 
 
+def _sequence_of(backend, request):
+    """Run `request` to its end on `backend` (then shut down); the one Sequence its engine made."""
+    made = _sequences_made(backend.engine.engine)
+    try:
+        chunks = _run(backend, request)
+    finally:
+        backend.shutdown()
+    assert isinstance(chunks[-1], EndChunk), chunks[-1]
+    [seq] = made
+    return seq
+
+
 def _run(backend, request) -> list:
     async def go():
         return [c async for c in request_chunks(_host(backend), request, None)]
@@ -83,14 +95,7 @@ def test_prompt_ids_are_copied_once_from_the_gateway_to_the_sim_engines_sequence
     [req] = build_requests(body, body.prompt, "", max_tokens=3, vocab_size=49152, session=None, tenant=None,
                            adapter=None)
     sent = pickle.loads(pickle.dumps(req)) if pickled else req
-    backend = SimBackend(SimEngine(num_blocks=64))
-    made = _sequences_made(backend.engine.engine)
-    try:
-        chunks = _run(backend, sent)
-    finally:
-        backend.shutdown()
-    assert isinstance(chunks[-1], EndChunk), chunks[-1]
-    [seq] = made
+    seq = _sequence_of(SimBackend(SimEngine(num_blocks=64)), sent)
     assert seq.prompt_token_ids is sent.prompt_token_ids
     assert seq.token_ids is not seq.prompt_token_ids and seq.token_ids[:80] == body.prompt
 
@@ -99,14 +104,7 @@ def test_prompt_ids_are_copied_once_on_our_engine(tiny_model_dirs):
     body = _body(list(range(10, 50)), max_tokens=2)
     [req] = build_requests(body, body.prompt, "", max_tokens=2, vocab_size=100, session=None, tenant=None,
                            adapter=None)
-    backend = asyncio.run(ModelBackend.create(_engine_config(tiny_model_dirs["llama"]), 1))
-    made = _sequences_made(backend.engine.engine)
-    try:
-        chunks = _run(backend, req)
-    finally:
-        backend.shutdown()
-    assert isinstance(chunks[-1], EndChunk), chunks[-1]
-    [seq] = made
+    seq = _sequence_of(asyncio.run(ModelBackend.create(_engine_config(tiny_model_dirs["llama"]), 1)), req)
     assert seq.prompt_token_ids is body.prompt and seq.token_ids is not body.prompt
 
 

@@ -12,6 +12,7 @@ field names): replica/ does not import the gateway.
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from replica.engine_config import EngineConfig
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from replica.backends.engine_protocol import EngineBackend
 
 
-class EngineSpec:
+class EngineSpec(abc.ABC):
     """One engine's rules (class attributes, checked by `check`) and builders (methods)."""
 
     name: ClassVar[str]  # one of ENGINE_NAMES (engine_protocol.py)
@@ -49,17 +50,17 @@ class EngineSpec:
     def _elsewhere(self, rule: str) -> str:
         return f" ({self.elsewhere[rule]})" if rule in self.elsewhere else ""
 
+    @abc.abstractmethod
     def settings(self, config: Any, model_id: str) -> Any:
         """What each replica of this engine is built from (an instance of `settings_type`)."""
-        raise NotImplementedError
 
     def actor_options(self, config: Any) -> dict[str, Any]:
         """The Ray actor options of one replica (resources the app adds to any engine's)."""
         return {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus}
 
+    @abc.abstractmethod
     async def create_backend(self, settings: Any, torch_threads: int) -> EngineBackend:
         """The backend `settings` describe, started (imports the engine: only in a replica)."""
-        raise NotImplementedError
 
 
 def engine_config(config: Any, model_id: str) -> EngineConfig:
