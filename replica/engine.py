@@ -79,7 +79,8 @@ class LLMEngine(EngineCore):
             log.warning("compile is off: LoRA adapters run the eager forward")
         self.runner = ModelRunner(str(path), block_size=config.block_size, num_blocks=num_blocks, device=device, dtype=dtype,
                                   max_model_len=config.max_model_len, compile=compile_,
-                                  lora_slots=config.max_loras if config.lora else 0, max_lora_rank=config.max_lora_rank)
+                                  lora_slots=config.max_loras if config.lora else 0, max_lora_rank=config.max_lora_rank,
+                                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
         self.lora_store = lora.AdapterStore(self.runner.lora, config.max_cpu_loras) if config.lora else None
         self.shape = self.runner.shape
         self.tokenizer = _load_tokenizer(path)
@@ -146,6 +147,7 @@ class LLMEngine(EngineCore):
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+        self.runner.release(request_id)
 
     def add_adapter(self, ref: AdapterRef) -> None:
         """Read and check the adapter's tensors (AdapterError names the file), then serve it."""

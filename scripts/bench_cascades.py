@@ -15,7 +15,7 @@ import time
 
 import torch
 
-import replica.model.model_runner as model_runner
+import replica.model.step_inputs as model_runner
 from loadtest.bench.engine_bench import warm_up
 from loadtest.bench.engine_workload import batch_prompts
 from replica.engine import LLMEngine

@@ -87,7 +87,7 @@ def test_grouped_decode_matches_dense_attention(dtype, tol, shared):
 def test_decodes_cluster_by_the_physical_prefix_they_share():
     """Two copies of a system prompt (computed by requests admitted in the same step) give two
     cascades; rows sharing too little to be worth one are attended without a prefix."""
-    from replica.model.model_runner import _prefix_clusters
+    from replica.model.step_inputs import _prefix_clusters
 
     def chunk(blocks, n, rid):
         seq = Sequence(list(range(n)), SamplingParams(), hash_seed=0, request_id=rid)
@@ -109,7 +109,7 @@ def test_shared_prefix_is_found_and_bounded():
     """The runner finds the blocks all decodes share, never including a row's current token."""
     from replica.core.scheduler import ScheduledChunk
     from replica.core.sequence import Sequence
-    from replica.model.model_runner import _common_prefix_blocks
+    from replica.model.step_inputs import _common_prefix_blocks
 
     def chunk(blocks, n):
         seq = Sequence(list(range(n)), SamplingParams(), hash_seed=0)

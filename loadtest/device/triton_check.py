@@ -1,6 +1,6 @@
 """replica/kernels/triton_attention.py against the torch path on one random step: the same pool, block
 tables and queries through both backends, the metadata built by the engine's own
-ModelRunner.prepare. Run by tests/test_triton_attention.py (interpreter) and loadtest/device/gpu_check.py.
+StepInputs.prepare. Run by tests/test_triton_attention.py (interpreter) and loadtest/device/gpu_check.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from replica.core.scheduler import ScheduledChunk
 from replica.core.sequence import Sequence
 from replica.kernels import attention
 from replica.kernels.attention_metadata import KVPool
-from replica.model.model_runner import ModelRunner
+from replica.model.step_inputs import StepInputs
 from router.protocol.sampling import SamplingParams
 
 
@@ -69,9 +69,9 @@ def random_step(shape: StepShape, dtype: torch.dtype, device: str):
     pool = KVPool.allocate(1, total * bs, shape.kv_heads, shape.head_dim, dtype, device)
     pool.k.normal_()
     pool.v.normal_()
-    runner = ModelRunner.__new__(ModelRunner)  # prepare needs the pool and sizes, not a model
-    runner.block_size, runner.pool, runner.device = bs, pool, torch.device(device)
-    _, _, meta, _ = runner.prepare(chunks)
+    inputs = StepInputs(pool, bs, torch.device(device), max_rows=len(chunks), max_tokens=sum(contexts),
+                        max_blocks=total)  # the torch path's cascades and Triton's tables: no C kernel
+    _, _, meta, _ = inputs.prepare(chunks)
     t = meta.slot_mapping.numel()
     query = torch.randn(1, t, shape.heads, shape.head_dim, device=device).to(dtype).transpose(1, 2)
     key = torch.randn(1, shape.kv_heads, t, shape.head_dim, device=device).to(dtype)

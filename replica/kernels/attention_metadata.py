@@ -1,6 +1,6 @@
 """What paged attention reads: the K/V pool and one step's metadata, as tensors.
 
-ModelRunner.prepare (replica/model/model_runner.py) builds an AttentionMetadata once per step;
+StepInputs.prepare (replica/model/step_inputs.py) builds an AttentionMetadata once per step;
 every layer's attention reads it, whichever backend attends: the torch path (and on CPU its C
 decode kernel) in replica/kernels/attention.py, or the Triton kernels of
 replica/kernels/triton_attention.py. Kept apart from both so that each backend depends on these
@@ -88,7 +88,10 @@ class AttentionMetadata:
     num_decodes: int = 0  # the first num_decodes rows are single-token decodes
     decode_cascades: list[DecodeCascade] = field(default_factory=list)  # cover rows [0, num_decodes)
     max_context: int = 0  # longest context in the step (checked against a sliding window)
-    # the decode rows for the CPU kernel (replica/kernels/cpu_attention.py); None: the torch path's cascades
-    decode_tables: torch.Tensor | None = None  # every decode row's whole block table, concatenated
-    decode_offsets: torch.Tensor | None = None  # [num_decodes + 1] where each row's table starts
-    decode_lens: torch.Tensor | None = None  # [num_decodes] each row's context length
+    decode_lens: torch.Tensor | None = None  # [num_decodes] each decode row's context length
+    # the decode rows for the CPU kernel (replica/kernels/cpu_attention.py): the persistent block
+    # table, read in place (replica/model/input_batch.py); None: another attention reads them
+    decode_tables: torch.Tensor | None = None  # every row's block table, flat
+    decode_offsets: torch.Tensor | None = None  # [num_decodes + 1] where each decode row's table starts in it
+    # for the Triton kernels: each decode row's blocks up to the longest context, in row order
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, width]

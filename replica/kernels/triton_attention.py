@@ -13,7 +13,7 @@ Scores, softmax (online, flash-attention style) and accumulation are float32 wha
 pool's dtype. The torch path's decode cascades (a shared prefix read once for many rows) are
 flattened back into per-row block tables: on a GPU the shared blocks are re-read from cache,
 which is what vLLM's paged-attention kernel does too. Prefill segments are assumed to carry the
-runner's offset-causal mask (model_runner.prepare builds no other kind); the mask tensor is not read.
+runner's offset-causal mask (step_inputs.StepInputs builds no other kind); the mask tensor is not read.
 
 Without a GPU the kernels run under Triton's interpreter: TRITON_INTERPRET=1 must be set before
 triton is first imported, so in a process of its own (loadtest.device.triton_check.use_interpreter_on_cpu).
@@ -25,7 +25,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -194,26 +193,12 @@ def _plan(meta: AttentionMetadata, tiles: TileSizes) -> _StepPlan:
 
 
 def _decode_plan(meta: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Each decode row's whole block table (its cascade's shared prefix, then its own blocks) and
-    context length (the group's valid-slot mask counts it; no mask: the full padded width)."""
+    """Each decode row's whole block table and context length, as StepInputs gathered them."""
     if not meta.num_decodes:
         return None, None
-    bs = meta.block_size
-    tables, lens, row = [], [], 0
-    for cascade in meta.decode_cascades:
-        prefix = cascade.prefix_blocks
-        shared = 0 if prefix is None else prefix.numel()
-        for group in cascade.groups:
-            assert group.start == row, "decode groups must cover the rows in order"
-            b, width = group.block_tables.shape
-            table = group.block_tables if prefix is None else torch.cat([prefix.expand(b, shared), group.block_tables], 1)
-            n = group.mask.reshape(b, -1).sum(-1) if group.mask is not None else table.new_full((b,), width * bs)
-            tables.append(table)
-            lens.append(n + shared * bs)
-            row = group.end
-    width = max(table.shape[1] for table in tables)
-    table = torch.cat([F.pad(table, (0, width - table.shape[1])) for table in tables])
-    return table.to(torch.int32), torch.cat(lens).to(torch.int32)
+    if meta.decode_block_table is None or meta.decode_lens is None:
+        raise ValueError("the step's metadata carries no decode block table (StepInputs builds it for Triton)")
+    return meta.decode_block_table, meta.decode_lens
 
 
 def _prefill_plan(meta: AttentionMetadata, block_m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -228,4 +213,4 @@ def _prefill_plan(meta: AttentionMetadata, block_m: int) -> tuple[torch.Tensor |
         tiles += [(m, seg.q_end, offset, s.numel()) for m in range(seg.q_start, seg.q_end, block_m)]
         offset += s.numel()
     device = meta.slot_mapping.device
-    return torch.cat(slots).to(torch.int32), torch.tensor(tiles, dtype=torch.int32).to(device)
+    return torch.cat(slots).to(torch.int32), torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True)
