@@ -28,14 +28,14 @@ from replica.core.scheduler import ScheduledChunk
 
 class StagedBuffer:
     """A fixed-size int64 buffer on the host (numpy view `np`) and its mirror on the model's
-    device; on CPU they are one tensor and nothing is copied."""
+    device; on CPU they are one tensor and nothing is copied. mirror=False: host only."""
 
     @torch.inference_mode()  # inference tensors, as the forward's own: a compiled graph's guards
-    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:  # tell the two apart
+    def __init__(self, shape: tuple[int, ...], device: torch.device, mirror: bool = True) -> None:  # tell them apart
         on_gpu = device.type == "cuda"
         self.host = torch.zeros(shape, dtype=torch.int64, pin_memory=on_gpu)
         self.np = self.host.numpy()
-        self.device = torch.zeros(shape, dtype=torch.int64, device=device) if on_gpu else self.host
+        self.device = torch.zeros(shape, dtype=torch.int64, device=device) if on_gpu and mirror else self.host
 
     def to_device(self, n: int) -> torch.Tensor:
         """The first n entries (rows) on the device: a view that keeps its address across steps
@@ -61,7 +61,8 @@ class InputBatch:
 
     def __init__(self, max_rows: int, max_blocks: int, max_tokens: int, block_size: int, device: torch.device) -> None:
         self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
-        self.block_table = StagedBuffer((max_rows, max_blocks), device)
+        # read in place by the C kernel on CPU; a GPU reads decode_tables, gathered from it
+        self.block_table = StagedBuffer((max_rows, max_blocks), device, mirror=False)
         self.input_ids = StagedBuffer((max_tokens,), device)
         self.positions = StagedBuffer((max_tokens,), device)
         self.slot_mapping = StagedBuffer((max_tokens,), device)

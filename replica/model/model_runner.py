@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -137,9 +138,10 @@ class ModelRunner:
         return out.logits[0].float()
 
     def _lora_rows(self, chunks: list[ScheduledChunk]) -> lora.RowSlots | None:
-        """Each row's adapter slot, in the order prepare() laid the rows out (None: no adapter rows)."""
+        """Each token's adapter slot, in the order prepare() laid the rows out (None: no adapter rows)."""
         if self.lora is None or all(c.seq.lora_slot < 0 for c in chunks):
             return None
-        slots = [c.seq.lora_slot for c in chunks for _ in range(c.end - c.start)]
-        rows = torch.tensor(slots).to(self.device, non_blocking=True)  # no host sync: see StepInputs._to_device
-        return lora.RowSlots(rows, self.lora.num_slots, set(slots) - {-1})
+        per_chunk = np.fromiter((c.seq.lora_slot for c in chunks), np.int64, len(chunks))
+        slots = np.repeat(per_chunk, np.fromiter((c.end - c.start for c in chunks), np.int64, len(chunks)))
+        rows = torch.from_numpy(slots).to(self.device, non_blocking=True)  # no host sync: see StepInputs._to_device
+        return lora.RowSlots(rows, self.lora.num_slots, set(per_chunk.tolist()) - {-1})
