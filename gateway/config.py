@@ -162,6 +162,12 @@ class AppConfig:
     queue_wait_priority_s: float = setting(30.0, help="longest a service_tier=priority request waits in the gateway's queue (then 429)")
     queue_wait_default_s: float = setting(30.0, help="longest a default (or auto) tier request waits in the gateway's queue (then 429)")
     queue_wait_flex_s: float = setting(300.0, help="longest a service_tier=flex request waits in the gateway's queue (then 429)")
+    # latency objectives (gateway/flow/slo.py, docs/flow-control.md "Latency objectives")
+    slo_ttft_ms: dict[str, int] = setting(factory=dict, help="default time-to-first-token objective per service tier, "
+                                          "ms (priority, default, flex; e.g. priority=500), for requests whose header "
+                                          "(x-slo-ttft-ms) and API key state none; recorded and measured, not yet acted on")
+    slo_tpot_ms: dict[str, int] = setting(factory=dict, help="default time-per-output-token objective per service tier, "
+                                          "ms (as slo_ttft_ms; header x-slo-tpot-ms)")
     flow_prefill_tokens: int | None = setting(None, help="per replica: prompt tokens sent and not yet started (pending "
                                                          "prefill) past which requests wait in the gateway; a replica "
                                                          "whose heartbeat shows as many is full (default: 2 x max_num_batched_tokens)")
@@ -214,6 +220,7 @@ class AppConfig:
         for tier in ("priority", "default", "flex"):
             if not getattr(self, f"queue_wait_{tier}_s") > 0:
                 raise ValueError(f"queue_wait_{tier}_s must be > 0, got {getattr(self, f'queue_wait_{tier}_s')}")
+        self.check_slo()
         if self.flow_prefill_tokens is not None and self.flow_prefill_tokens < 1:
             raise ValueError(f"flow_prefill_tokens must be >= 1, got {self.flow_prefill_tokens}")
         if self.flow_replica_waiting < 1 or not 0 <= self.flow_kv_free_min < 1:
@@ -227,6 +234,17 @@ class AppConfig:
             if bad:
                 raise ValueError(f"{name} takes numbers, got {bad}")
         self.router_options(self.model_name or "check")  # the router's own rules, checked at load
+
+    def check_slo(self) -> None:
+        """slo_ttft_ms / slo_tpot_ms: tier -> a whole number of ms in [1, one hour] (ValueError naming both)."""
+        from gateway.flow.slo import check_ms
+        from gateway.flow.tiers import TIERS
+
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            for tier, value in getattr(self, name).items():
+                if tier not in TIERS:
+                    raise ValueError(f"{name}: unknown service tier {tier!r} (tiers: {', '.join(TIERS)})")
+                check_ms(f"{name}[{tier}]", value)
 
     @property
     def engine_spec(self) -> EngineSpec:

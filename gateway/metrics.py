@@ -43,6 +43,36 @@ SHED = Metric("counter", "prefixgate_shed_requests",
 MIGRATION_RECOMPUTED_TOKENS = Metric("counter", "prefixgate_migration_recomputed_tokens",
                                      "Prompt + already-sent tokens a replica had to take over to continue a moved stream", local=True)
 
+# Latency objectives (gateway/flow/slo.py, judged by gateway/slo_watch.py): requests that carried
+# any objective, how many had and met each (`objective`: ttft, tpot, both: had both and met both),
+# the goodput counter (met every objective it had: rate() is goodput), and observed / objective.
+# `tenant` as the queue's metrics (a configured tenant, or anonymous without API keys).
+SLO_OBJECTIVES = ("ttft", "tpot", "both")
+SLO_REQUESTS = Metric("counter", "prefixgate_slo_requests", "Requests with a latency objective, judged when they finished "
+                      "or failed", ["model_name", "tenant", "tier"], local=True)
+SLO_HAD = Metric("counter", "prefixgate_slo_objectives", "Requests that had this objective (both: had both): "
+                 "the denominator of prefixgate_slo_met", ["model_name", "tenant", "tier", "objective"], local=True)
+SLO_MET = Metric("counter", "prefixgate_slo_met", "Requests that met this objective (both: had and met both)",
+                 ["model_name", "tenant", "tier", "objective"], local=True)
+SLO_GOODPUT = Metric("counter", "prefixgate_slo_goodput_requests", "Requests that met every objective they had "
+                     "(rate(): goodput)", ["model_name", "tenant", "tier"], local=True)
+# observed / objective: 1 is exactly on it, below 1 met
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0)
+SLO_RATIO = Metric("histogram", "prefixgate_slo_observed_ratio", "Observed TTFT or TPOT / the request's objective",
+                   ["model_name", "tier", "objective"], buckets=RATIO_BUCKETS, local=True)
+
+
+def zero_slo(model: str, tenants: tuple[str, ...], tiers: tuple[str, ...]) -> None:
+    """Every SLO counter at 0 for the label values known at start (models, tiers, tenants), in
+    Ray's export and in this process's /metrics, so the dashboard's panels have data before the
+    first request with an objective. The ratio histogram appears with its first observation."""
+    for tenant in tenants:
+        for tier in tiers:
+            for metric, extra in ((SLO_REQUESTS, ()), (SLO_GOODPUT, ()),
+                                  *((m, (o,)) for m in (SLO_HAD, SLO_MET) for o in SLO_OBJECTIVES)):
+                metric.zero(model, tenant, tier, *extra)  # Ray's export
+                metric.labels(model, tenant, tier, *extra).inc(0)  # this process's registry
+
 
 def start(gateway=None, interval_s: float = 1.0) -> None:
     """In the gateway replica at startup: export the counters of rare events at 0, and keep

@@ -11,11 +11,14 @@ from collections.abc import AsyncIterator
 from gateway import metrics as m
 from gateway.errors import APIError
 from gateway.logprobs import LogprobsView
+from gateway.slo_watch import SloWatch
 from router.protocol.messages import DeltaChunk, EndChunk, ErrorChunk, RouteDecision, StartChunk
 
 
 class RequestRun:
     """One admitted request: its n replica streams and the bookkeeping around them."""
+
+    slo: SloWatch | None = None  # its latency objectives' timings, when it has any (gateway/slo_watch.py)
 
     def __init__(self, gw, model, body, streams, chat: bool, arrival: float, prompt_tokens: int) -> None:
         self.gw, self.model, self.body, self.streams, self.chat, self.arrival = gw, model, body, streams, chat, arrival
@@ -36,7 +39,7 @@ class RequestRun:
             head = await self._head(index)
             error = next((c for c in head if isinstance(c, ErrorChunk)), None)
             if error is not None:
-                raise _error(error)
+                raise self._failed(_error(error))
             self.first.append(head)
         self._mark_first_token()
         reason = (self.route.reason or "unknown") if self.route is not None else self.gw.config.policy
@@ -52,6 +55,11 @@ class RequestRun:
                     self.replica = chunk.replica
                     self.route = chunk.route
                 continue
+            if self.slo is not None and not isinstance(chunk, ErrorChunk):
+                at = time.monotonic()
+                self.slo.first_token(index, at)
+                if isinstance(chunk, EndChunk):
+                    self.slo.ended(index, at, chunk.completion_tokens)
             break
         return head
 
@@ -95,8 +103,16 @@ class RequestRun:
             for t in tasks:
                 t.cancel()
 
+    def _failed(self, error: APIError) -> APIError:
+        """The error the request ends with; its objectives, if any, count as missed (a 5xx)."""
+        if self.slo is not None:
+            self.slo.failed(error.status)
+        return error
+
     def _account(self, index: int, end: EndChunk) -> None:
         self.ends[index] = end
+        if self.slo is not None:
+            self.slo.ended(index, time.monotonic(), end.completion_tokens)
         replica = self.replica or "unknown"
         if index == 0:
             m.PROMPT_TOKENS.labels(replica).inc(end.prompt_tokens)
@@ -128,7 +144,7 @@ class RequestRun:
                 reasons[i] = chunk.finish_reason
                 self._account(i, chunk)
             elif isinstance(chunk, ErrorChunk):
-                raise _error(chunk)
+                raise self._failed(_error(chunk))
         m.E2E.labels(self.model.name).observe(time.monotonic() - self.arrival)
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r,
@@ -174,7 +190,7 @@ class RequestRun:
                     piece = {"delta": delta(i, {})} if self.chat else {"text": ""}
                     yield self._sse([{"index": i, **piece, "finish_reason": chunk.finish_reason, "logprobs": None}])
                 elif isinstance(chunk, ErrorChunk):
-                    err = _error(chunk)
+                    err = self._failed(_error(chunk))
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
             if include_usage and len(self.ends) == len(self.streams):
@@ -187,6 +203,8 @@ class RequestRun:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self.slo is not None:
+                self.slo.close()
             self.model.flow.finished(len(self.streams))
             m.IN_FLIGHT.set(self.gw.in_flight)
             for s in self.streams:

@@ -34,13 +34,15 @@ from gateway.errors import APIError, bad_request, http_error
 from gateway.flow.admission import Ticket
 from gateway.flow.keys import KeySpec, TenantSpec, parse_keys
 from gateway.flow.rate_limit import RateLimiter
-from gateway.flow.tiers import replica_priority, request_tier
+from gateway.flow.slo import header_objectives, resolve, tier_defaults
+from gateway.flow.tiers import TIERS, replica_priority, request_tier
 from gateway.health import readiness
 from gateway.migration import MigrationPolicy, ResilientStream
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest, routing_session
 from gateway.request_builder import build_requests
 from gateway.request_run import RequestRun
 from gateway.served_model import ServedModel
+from gateway.slo_watch import SloWatch
 from router.protocol.lora import AdapterError, AdapterRef, adapter_ref
 from router.protocol.messages import GenerateRequest
 from router.protocol.redis_schema import RedisKeys
@@ -174,6 +176,9 @@ class Gateway:
         m.start(self)  # Ray metrics: rare-event counters at 0, in-flight gauge kept fresh
         for model in self.served.values():
             model.flow.start()  # its gauges at 0 from the start, when constructed on the event loop
+            m.zero_slo(model.name, tuple(self.keys.tenants) or ("anonymous",), TIERS)
+        # each tier's default latency objectives (gateway/flow/slo.py): header > key > these
+        self.tier_objectives = tier_defaults(self.config.slo_ttft_ms, self.config.slo_tpot_ms, TIERS)
         self._redis = None
 
     @property
@@ -289,9 +294,11 @@ class Gateway:
         arrival = time.monotonic()
         limit_headers: dict[str, str] = {"x-prefixgate-gateway": self.gateway_id}
         label = "none"  # the model_name of its metrics: a served model's, once it names one
+        watch: SloWatch | None = None  # its latency objectives' timings, from the queue on
         try:
             key = self._key(request)
             tenant = key.tenant if key is not None else None
+            asked = header_objectives(request.headers)  # x-slo-*-ms: a 400 naming the header
             body = await self._parse(request, schema)
             served, adapter = await self._model(body.model)
             label = served.name
@@ -315,19 +322,26 @@ class Gateway:
             if key is not None:
                 limit_headers |= await self._limit(served.name, self.keys.tenants[tenant], cost)
             ticket = Ticket(tier, tenant, cost, body.n, len(prompt_ids), arrival)
+            objectives = resolve(asked, key.objectives if key is not None else None, self.tier_objectives[tier])
+            if objectives.any:  # recorded and measured only: routing and the queue do not read them yet
+                watch = SloWatch(objectives, served.name, tenant or "anonymous", tier, arrival, body.n)
             await served.flow.acquire(ticket)  # waits while the model's replicas are saturated
             for req in reqs:  # the replica's queue keeps the tier, and a tenant's only request goes first
                 req.priority = replica_priority(tier, ticket.crowded)
         except APIError as e:
+            if watch is not None:  # refused by the queue: its objectives were missed
+                watch.failed(e.status)
             e.headers = {**limit_headers, **e.headers}
             m.REQUESTS.labels(label, endpoint, str(e.status)).inc()
             raise
         m.IN_FLIGHT.set(self.in_flight)
         run = _FlowRun(self, served, body, streams, chat, arrival, len(prompt_ids))
-        run.ticket = ticket
+        run.ticket, run.slo = ticket, watch
         try:
             headers = await asyncio.wait_for(run.start(), self.config.first_token_timeout_s)
         except TimeoutError:
+            if watch is not None:
+                watch.failed(504)
             run.close()
             m.REQUESTS.labels(label, endpoint, "504").inc()
             raise APIError(504, "no replica started this request in time", "server_error", code="timeout",

@@ -55,6 +55,9 @@ OUR_NAMES = [
     "ray_prefixgate_time_to_first_token_seconds_bucket", "ray_prefixgate_request_latency_seconds_bucket",
     "ray_prefixgate_in_flight_requests", "ray_prefixgate_rejected_total", "ray_prefixgate_retries_total",
     "ray_prefixgate_migrations_total",
+    # latency objectives (gateway/slo_watch.py): counters at 0 from start-up, the ratio once a request had one
+    "ray_prefixgate_slo_requests_total", "ray_prefixgate_slo_objectives_total", "ray_prefixgate_slo_met_total",
+    "ray_prefixgate_slo_goodput_requests_total", "ray_prefixgate_slo_observed_ratio_bucket",
 ]
 # Set by KubeRay's PodMonitor, not by Ray itself; the dashboard's "All" matches its absence
 NOT_OURS_LABELS = {"ray_io_cluster"}
@@ -98,9 +101,10 @@ def test_dashboards_have_queries():
 
 
 # ---- the running stack --------------------------------------------------------------------------
-def _chat(url: str, messages: list[dict], session: str, **kw) -> httpx.Response:
+def _chat(url: str, messages: list[dict], session: str, headers: dict[str, str] | None = None, **kw) -> httpx.Response:
     body = {"model": MODEL, "messages": messages, "max_tokens": 8, **kw}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=180)
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": session, **(headers or {})},
+                      timeout=180)
 
 
 def _wait_for_series(prom: LivePrometheus, expr: str, timeout_s: float = 90.0) -> None:
@@ -141,7 +145,9 @@ def traffic_scrape(stack, live_prometheus):
             served_by.add(r.headers["x-prefixgate-replica"])
             messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
                          {"role": "user", "content": f"And another one, turn {turn}?"}]
-    r = _chat(stack.url, messages[:2], "metrics-stream", stream=True)  # a streamed one too
+    # a streamed one too, with latency objectives (one hour each: met) for the SLO panels
+    r = _chat(stack.url, messages[:2], "metrics-stream", {"x-slo-ttft-ms": "3600000", "x-slo-tpot-ms": "3600000"},
+              stream=True)
     assert r.status_code == 200 and "[DONE]" in r.text
     sent += 1
 

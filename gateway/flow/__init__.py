@@ -10,6 +10,8 @@ One concern per module:
   admission.py   the asyncio side: requests wait on the queue and are released as room frees
   rate_limit.py  requests and tokens per minute per tenant, one Redis script per admission
                  (a local share of each limit while Redis is away)
+  slo.py         latency objectives (x-slo-ttft-ms, x-slo-tpot-ms; key and tier defaults):
+                 parsed and resolved here, measured by gateway/slo_watch.py, not yet acted on
 
 docs/flow-control.md describes the whole and lists its settings.
 """

@@ -3,11 +3,12 @@ set the tenant's weight, the key's default and maximum service tier, and the ten
 
     {"sk-a": "acme",                                  # the plain form: key -> tenant
      "sk-b": {"tenant": "bravo", "weight": 2, "service_tier": "flex",
-              "max_service_tier": "default", "rpm": 600, "tpm": 200000}}
+              "max_service_tier": "default", "rpm": 600, "tpm": 200000,
+              "slo_ttft_ms": 2000, "slo_tpot_ms": 100}}
 
 A tenant is what the fair queue shares between and what the limits count: its weight, rpm and
 tpm are the tenant's, so every key of one tenant must give the same ones (or leave them out).
-The default and maximum tier belong to the key. Checked where the file is loaded
+The default and maximum tier, and the default latency objectives, belong to the key. Checked where the file is loaded
 (AppConfig.__post_init__), so a bad file stops `prefixgate serve` before anything starts.
 """
 
@@ -17,6 +18,7 @@ import math
 
 import msgspec
 
+from gateway.flow.slo import Objectives, check_ms
 from gateway.flow.tiers import ACCEPTED, RANK, check_tier
 
 
@@ -30,6 +32,13 @@ class KeySpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=T
     rpm: int | None = None  # the tenant's requests per minute, all gateways together
     tpm: int | None = None  # the tenant's tokens per minute (prompt + n x max_tokens, at admission)
     admin: bool = False  # may load and unload LoRA adapters at run time (gateway/adapters.py)
+    # latency objectives of this key's requests whose headers state none (gateway/flow/slo.py)
+    slo_ttft_ms: int | None = None
+    slo_tpot_ms: int | None = None
+
+    @property
+    def objectives(self) -> Objectives:
+        return Objectives(self.slo_ttft_ms, self.slo_tpot_ms)
 
 
 class TenantSpec(msgspec.Struct, frozen=True):
@@ -80,6 +89,11 @@ def _checked(key: str, spec: KeySpec) -> KeySpec:
         value = getattr(spec, name)
         if value is not None and value < 1:
             raise ValueError(f"{where}: {name} must be at least 1 (leave it out for no limit), got {value}")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        try:
+            check_ms(name, getattr(spec, name))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     try:
         tier, most = check_tier(spec.service_tier), check_tier(spec.max_service_tier)
     except ValueError as e:

@@ -87,6 +87,21 @@ ROWS = [
          "Refused or dropped before reaching a replica: queue_full, max_wait, disconnected, shutdown, rate_limit.",
          [(f"sum by (reason) (rate(ray_prefixgate_shed_requests_total{RATE}))", "{{reason}}")]),
     ]),
+    ("Latency objectives (docs/flow-control.md)", [
+        ("Objectives met, by objective", "percentunit",
+         "Requests that met their x-slo-ttft-ms / x-slo-tpot-ms objective (header, API key or tier default) / requests "
+         "that had it; both: had and met both. Measured only: routing and the queue do not act on objectives yet.",
+         [(f"sum by (objective) (rate(ray_prefixgate_slo_met_total{{{M}}}{RATE})) / "
+           f"sum by (objective) (rate(ray_prefixgate_slo_objectives_total{{{M}}}{RATE}))", "{{objective}}")]),
+        ("Goodput", "reqps", "Requests per second that met every objective they had, beside all requests with objectives.",
+         [(f"sum by (model_name) (rate(ray_prefixgate_slo_goodput_requests_total{{{M}}}{RATE}))", "goodput {{model_name}}"),
+          (f"sum by (model_name) (rate(ray_prefixgate_slo_requests_total{{{M}}}{RATE}))", "with objectives {{model_name}}")]),
+        ("Objectives met, by tier and tenant", "percentunit", "Goodput / requests with objectives, per service tier and tenant.",
+         [(f"sum by (tier, tenant) (rate(ray_prefixgate_slo_goodput_requests_total{{{M}}}{RATE})) / "
+           f"sum by (tier, tenant) (rate(ray_prefixgate_slo_requests_total{{{M}}}{RATE}))", "{{tier}} {{tenant}}")]),
+        ("Observed / objective", "short", "Observed TTFT and TPOT over the request's objective (1: exactly on it; above: missed).",
+         [(q(x, "ray_prefixgate_slo_observed_ratio", "objective", M), f"p{int(x * 100)} {{{{objective}}}}") for x in (0.5, 0.9)]),
+    ]),
     ("Errors and recovery", [
         ("429s (replicas saturated)", "reqps", "",
          [(f"sum(rate(ray_prefixgate_rejected_total{RATE}))", "429 / s")]),

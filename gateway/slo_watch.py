@@ -1,0 +1,119 @@
+"""Whether a request with latency objectives met them, measured on the gateway's clock.
+
+The replicas' stream chunks carry no timings (router/protocol/messages.py: an EndChunk holds token
+counts only), so the gateway times what it receives, streamed or not alike (a non-streamed
+request is read from the same chunks): TTFT from the request's arrival at the gateway to its
+first token chunk (routing and queueing included, as `prefixgate_time_to_first_token_seconds`),
+TPOT as (end - first token) / (output tokens - 1). A replica sends the first chunk and the last
+at once (STREAM_INTERVAL_S batches only those between), so both ends are timed as they happen.
+With `n` choices the request is as late as its latest choice.
+
+A request is judged once: when every choice ended, by its timings; when it was refused or
+failed after reaching the queue (429, 5xx), as having met nothing. A client that left before
+the end leaves no verdict (nothing says what it would have seen).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway import metrics as m
+from gateway.flow.slo import Objectives
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One request's observed latencies and, per objective it had, whether it met it (None: it
+    had none; a TPOT objective of a request that never produced two tokens is met)."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+    ttft_met: bool | None
+    tpot_met: bool | None
+
+    @property
+    def good(self) -> bool:
+        """Met every objective it had (goodput counts it)."""
+        return self.ttft_met is not False and self.tpot_met is not False
+
+
+def judge(objectives: Objectives, ttft_s: float | None, tpot_s: float | None) -> Verdict:
+    """The verdict of observed latencies (seconds) against objectives (ms); None observed means a
+    failed request for TTFT and no inter-token interval for TPOT."""
+    ttft_met = None if objectives.ttft_ms is None else ttft_s is not None and ttft_s * 1000 <= objectives.ttft_ms
+    tpot_met = None if objectives.tpot_ms is None else tpot_s is None or tpot_s * 1000 <= objectives.tpot_ms
+    return Verdict(ttft_s, tpot_s, ttft_met, tpot_met)
+
+
+def tpot_s(first_at: float, end_at: float, tokens: int) -> float | None:
+    """Time per output token after the first; None with fewer than two tokens."""
+    return (end_at - first_at) / (tokens - 1) if tokens >= 2 else None
+
+
+def record(verdict: Verdict | None, objectives: Objectives, model: str, tenant: str, tier: str) -> None:
+    """The verdict into the prefixgate_slo_* metrics; None: a request refused or failed, which had
+    its objectives and met none."""
+    had = {"ttft": objectives.ttft_ms is not None, "tpot": objectives.tpot_ms is not None}
+    had["both"] = had["ttft"] and had["tpot"]
+    met = {"ttft": False, "tpot": False}
+    if verdict is not None:
+        met = {"ttft": verdict.ttft_met is True, "tpot": verdict.tpot_met is True}
+    met["both"] = had["both"] and met["ttft"] and met["tpot"]
+    m.SLO_REQUESTS.labels(model, tenant, tier).inc()
+    for objective in m.SLO_OBJECTIVES:
+        if had[objective]:
+            m.SLO_HAD.labels(model, tenant, tier, objective).inc()
+        if met[objective]:
+            m.SLO_MET.labels(model, tenant, tier, objective).inc()
+    if verdict is None:
+        return
+    if verdict.good:
+        m.SLO_GOODPUT.labels(model, tenant, tier).inc()
+    for objective, seen, goal in (("ttft", verdict.ttft_s, objectives.ttft_ms), ("tpot", verdict.tpot_s, objectives.tpot_ms)):
+        if seen is not None and goal is not None:
+            m.SLO_RATIO.labels(model, tier, objective).observe(seen * 1000 / goal)
+
+
+class SloWatch:
+    """One request's timings as the gateway receives its choices (RequestRun feeds it), judged once."""
+
+    def __init__(self, objectives: Objectives, model: str, tenant: str, tier: str, arrival: float, choices: int) -> None:
+        self.objectives, self.model, self.tenant, self.tier, self.arrival = objectives, model, tenant, tier, arrival
+        self.first_at: list[float | None] = [None] * choices
+        self.end_at: list[float | None] = [None] * choices
+        self.tokens = [0] * choices
+        self.verdict: Verdict | None = None
+        self.judged = False
+
+    def first_token(self, index: int, at: float) -> None:
+        if self.first_at[index] is None:
+            self.first_at[index] = at
+
+    def ended(self, index: int, at: float, tokens: int) -> None:
+        """A choice's end (the first report wins: an end read with the first token is timed then)."""
+        if self.end_at[index] is None:
+            self.end_at[index], self.tokens[index] = at, tokens
+            self.first_token(index, at)
+
+    def failed(self, status: int) -> None:
+        """Refused or failed after reaching the queue: a 429 or a 5xx met nothing; any other error
+        (the request's own fault) is not judged."""
+        if self.judged:
+            return
+        self.judged = True
+        if status == 429 or status >= 500:
+            record(None, self.objectives, self.model, self.tenant, self.tier)
+
+    def close(self) -> None:
+        """The request is over: judge it by its timings if every choice ended."""
+        if self.judged:
+            return
+        self.judged = True
+        if any(t is None for t in self.end_at):
+            return  # its client left first: no verdict
+        ttft = max(t for t in self.first_at if t is not None) - self.arrival
+        per_token = [tpot_s(f, e, n) for f, e, n in zip(self.first_at, self.end_at, self.tokens, strict=True)
+                     if f is not None and e is not None]
+        tpots = [t for t in per_token if t is not None]
+        self.verdict = judge(self.objectives, ttft, max(tpots) if tpots else None)
+        record(self.verdict, self.objectives, self.model, self.tenant, self.tier)
