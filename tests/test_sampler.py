@@ -110,7 +110,7 @@ def test_frequency_and_presence_penalties_follow_openai():
         Row("b", SamplingParams(presence_penalty=-1.0), [1], [9]),
     ]
     scores = logits.clone()
-    Sampler._apply_penalties(scores, rows)
+    Sampler()._apply_penalties(scores, rows)
     expected = logits.clone()
     expected[0, 4] -= 0.5 * 3 + 0.25
     expected[0, 7] -= 0.5 * 1 + 0.25  # prompt tokens 1, 2, 3 are not penalised
@@ -122,7 +122,7 @@ def test_repetition_penalty_follows_vllm_over_prompt_and_output():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
     row = Row("a", SamplingParams(repetition_penalty=2.0), prompt_token_ids=[0, 1], output_token_ids=[3])
     scores = logits.clone()
-    Sampler._apply_penalties(scores, [row])
+    Sampler()._apply_penalties(scores, [row])
     assert scores.tolist() == [[1.0, -4.0, 1.0, -2.0, 0.5]]
 
 
@@ -168,7 +168,8 @@ def test_logit_bias_is_added_to_its_rows_logits_only():
     assert best != 7 and out.logprobs[0].top[0][0] == best  # raw: the model's own ranking
     assert abs(out.logprobs[0].logprob - float(torch.log_softmax(logits[0], -1)[7])) < 1e-5
     scores = logits.clone()
-    Sampler()._apply_logit_bias(scores, rows, [0])
+    sampler = Sampler()
+    sampler._apply_logit_bias(scores, sampler._scan(rows)[0], [0])
     expected = logits.clone()
     expected[0, 7] += 100.0
     assert torch.equal(scores, expected)
@@ -256,3 +257,175 @@ def test_degenerate_rows_fall_back_to_argmax_without_failing_the_batch():
     out = Sampler().sample(logits, rows)
     assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[1] == int(logits[1].argmax())
     assert 0 <= out.token_ids[2] < 50
+
+
+# ---- the fast path, incremental penalties, one copy per step ---------------------------------
+def _seeded_sampler(seed: int = 0) -> Sampler:
+    """A sampler whose unseeded draws are reproducible (its shared generator, fixed)."""
+    sampler = Sampler()
+    sampler._shared["cpu"] = torch.Generator().manual_seed(seed)
+    return sampler
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_fast_path_draws_follow_the_distribution(temperature):
+    """The common batch (temperature only, unseeded) skips softmax and the noise tensor: 4000
+    draws of a 6-token distribution, each frequency within 5 standard errors; greedy rows in the
+    same batch still take the argmax."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")]])
+    n = 4000
+    params = SamplingParams(temperature=temperature)
+    rows = [Row(f"r{i}", params if i % 10 else SamplingParams()) for i in range(n)]
+    out = _seeded_sampler().sample(logits.repeat(n, 1), rows)
+    assert all(out.token_ids[i] == 0 for i in range(0, n, 10))
+    drawn = torch.tensor([t for i, t in enumerate(out.token_ids) if i % 10])
+    counts = torch.bincount(drawn, minlength=6).double() / len(drawn)
+    expected = probabilities(logits, [params])[0].double()
+    assert counts[5] == 0  # an impossible token is never drawn
+    se = (expected * (1 - expected) / len(drawn)).sqrt()
+    assert bool(((counts - expected).abs() <= 5 * se + 1e-9).all()), (counts, expected)
+
+
+def test_fast_path_is_exact_where_the_distribution_is_a_point():
+    """A row with one finite logit always draws it; all-NaN and all -inf rows fall back to the
+    argmax, as the full path does."""
+    logits = torch.full((4, 30), float("-inf"))
+    logits[0, 17] = 3.0
+    logits[1] = float("nan")
+    logits[3, 4] = -50.0
+    rows = [Row(f"p{i}", SamplingParams(temperature=1.5)) for i in range(4)]
+    sampler = _seeded_sampler()
+    for _ in range(20):
+        out = sampler.sample(logits, rows)
+        assert out.token_ids == [17, int(logits[1].argmax()), int(logits[2].argmax()), 4]
+
+
+def reference_penalties(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """The rebuild-every-step algorithm the pool replaced: counts from the whole output."""
+    from replica.model.sampler import _token_counts
+
+    vocab = logits.shape[-1]
+    counts = _token_counts([r.output_token_ids for r in rows], len(rows), vocab, logits.device)
+    seen = (counts > 0) | (_token_counts([r.prompt_token_ids for r in rows], len(rows), vocab, logits.device) > 0)
+    rep = torch.tensor([r.params.repetition_penalty for r in rows]).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows]).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in rows]).unsqueeze(1)
+    out = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return out - freq * counts - pres * (counts > 0).float()
+
+
+def test_incremental_penalty_counts_equal_the_rebuilt_ones():
+    """Counts kept on the device step by step (a migrated stream's output replayed once, a step
+    whose token was not appended replayed again) give the same scores as rebuilding them from
+    the whole output every step; forget() frees the request's slot."""
+    from replica.model.sampler import _token_counts
+
+    vocab = 40
+    rows = [Row("mig", SamplingParams(temperature=1.0, seed=3, frequency_penalty=0.7, repetition_penalty=1.3),
+                [1, 2, 3], [5, 5, 9, 1]),  # migrated: four tokens generated elsewhere
+            Row("new", SamplingParams(temperature=0.8, presence_penalty=0.4, frequency_penalty=-0.2), [7, 7]),
+            Row("plain", SamplingParams(temperature=1.0))]
+    sampler = _seeded_sampler(1)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(25):
+        logits = torch.randn(3, vocab, generator=gen) * 2
+        scores = logits[:2].clone()
+        sampler._apply_penalties(scores, rows[:2])
+        assert torch.allclose(scores, reference_penalties(logits[:2], rows[:2]), atol=1e-6), step
+        out = sampler.sample(logits, rows)
+        for r, t in zip(rows, out.token_ids, strict=True):
+            if not (r.request_id == "new" and step == 10):  # this step's token is dropped
+                r.output_token_ids.append(t)
+        for r in rows[:2]:
+            q = sampler._requests[r.request_id]
+            if q.counted == r.num_output_tokens:
+                expected = _token_counts([r.output_token_ids], 1, vocab, logits.device)[0]
+                assert torch.equal(sampler._penalties.counts[q.slot], expected), (step, r.request_id)
+    slot = sampler._requests["mig"].slot
+    sampler.forget("mig")
+    assert "mig" not in sampler._requests and slot in sampler._penalties.free
+
+
+def test_penalised_tokens_match_a_rebuilding_sampler():
+    """Greedy rows under penalties: the same tokens step after step as penalties computed from
+    the rebuilt counts (deterministic, so exactly)."""
+    vocab = 12
+    params = SamplingParams(frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.5)
+    row = Row("g", params, [0, 1], [2])
+    ref = Row("g", params, [0, 1], [2])
+    sampler = Sampler()
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(30):
+        logits = torch.randn(1, vocab, generator=gen)
+        token = sampler.sample(logits, [row]).token_ids[0]
+        assert token == int(reference_penalties(logits, [ref]).argmax())
+        row.output_token_ids.append(token)
+        ref.output_token_ids.append(token)
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(2, 10)
+    logits[:, 9] = 50.0  # eos
+    logits[:, 8] = 40.0  # a stop token of row 0
+    sampler = Sampler(eos_token_ids=[9])
+    rows = [Row("a", SamplingParams(min_tokens=2, stop_token_ids=[8])),
+            Row("b", SamplingParams(min_tokens=1, ignore_eos=True))]
+    assert sampler.sample(logits, rows).token_ids == [int(logits[0, :8].argmax()), 9]
+    rows[0].output_token_ids.append(0)
+    assert sampler.sample(logits, rows).token_ids[0] == int(logits[0, :8].argmax())
+    rows[0].output_token_ids.append(0)
+    assert sampler.sample(logits, rows).token_ids[0] == 9
+
+
+def test_a_seeded_top_k_row_ignores_a_wider_neighbour():
+    """A seeded row's noise covers its own top-k candidates, not the widest cut in the batch."""
+    torch.manual_seed(6)
+    logits = torch.randn(1, 300)
+    params = SamplingParams(temperature=1.0, top_k=5, seed=11)
+    alone = Sampler()
+    solo = [alone.sample(logits, [Row("a", params)]).token_ids[0] for _ in range(15)]
+    mixed = Sampler()
+    wide = Row("w", SamplingParams(temperature=1.0, top_k=200, seed=2))
+    got = [mixed.sample(logits.repeat(2, 1), [wide, Row("a", params)]).token_ids[1] for _ in range(15)]
+    assert got == solo
+
+
+COPIES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def host_copies(monkeypatch):
+    """Counts every way a tensor's values reach Python (each a device-to-host copy on a GPU)."""
+    calls: list[str] = []
+    for name in COPIES:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+def test_one_device_to_host_copy_per_step(host_copies):
+    torch.manual_seed(7)
+    vocab = 64
+    common = [Row(f"c{i}", SamplingParams(temperature=0.5 + i / 10)) for i in range(6)] + [Row("g", SamplingParams())]
+    mixed = [Row("pen", SamplingParams(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.1), [1], [2, 2]),
+             Row("bias", SamplingParams(temperature=0.7, logit_bias={3: 2.0, 4: -1.0})),
+             Row("lp", SamplingParams(temperature=0.0, logprobs=4)),
+             Row("lp0", SamplingParams(temperature=1.0, logprobs=0, seed=1)),
+             Row("min", SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[5])),
+             Row("topk", SamplingParams(temperature=1.0, top_k=8)),
+             Row("topp", SamplingParams(temperature=1.0, top_p=0.7, seed=4)),
+             Row("plain", SamplingParams(temperature=1.0))]
+    sampler = Sampler(eos_token_ids=[0])
+    for rows in (common, mixed, common + mixed):
+        for _ in range(3):
+            host_copies.clear()
+            out = sampler.sample(torch.randn(len(rows), vocab), rows)
+            assert host_copies == ["tolist"], host_copies
+            for r, t in zip(rows, out.token_ids, strict=True):
+                r.output_token_ids.append(t)
+    assert out.logprobs[len(common) + 2].top[0][0] == out.token_ids[len(common) + 2]  # greedy: its own best
