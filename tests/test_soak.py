@@ -84,7 +84,7 @@ def check_pool_at_rest(engine: LLMEngine) -> None:
     b = engine.blocks
     assert not engine.requests, f"requests left in the engine: {list(engine.requests)[:5]}"
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert not engine.sampler._generators, "per-request sampler state leaked"
+    assert not engine.sampler._generators and not engine.sampler._requests, "per-request sampler state leaked"
     assert len(engine.runner.inputs.batch) == 0, "rows of the persistent batch leaked"
     assert all(c == 0 for c in b.ref_count), [i for i, c in enumerate(b.ref_count) if c]
     assert b.num_used == 0
