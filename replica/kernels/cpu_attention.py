@@ -7,6 +7,17 @@ chunk of adjacent rows share (a cached prefix) once for the chunk, and does the 
 online, in float32 for fp32 and bf16 pools, parallel over (KV head, chunk of rows) on torch's
 OpenMP threads.
 
+How many threads: waking a second OpenMP thread costs tens of microseconds (more under
+OMP_WAIT_POLICY=PASSIVE or on a busy machine), more than tiny work takes on one. So a call gets
+one thread, and one more per WORK_PER_THREAD multiply-adds of scores (context tokens x query
+heads x head_dim), at most one per (KV head, chunk of rows) task and at most the
+caller's thread count (torch's, or the ceiling a caller running on fewer threads set). Measured
+(2-core EPYC, PASSIVE, us per call, 1 vs 2 threads): 16 rows x 96 tokens, 2 heads of 64 (0.2 M)
+32 vs 48; 64 rows (0.8 M) 101 vs 113; 256 rows (3.1 M) 611 vs 298; 1 row x 300 tokens x 9 heads
+(0.17 M) 26 vs 39; 16 rows (2.8 M) 300 vs 178; 1 row x 1,000 tokens x 16 heads of 128 (2 M) 206 vs
+156. The count changes the split of work, never a row's
+arithmetic: results are the same.
+
 Built at first use with the system C compiler (`gcc`, else `cc`, or $CC) into the user's cache
 (`$XDG_CACHE_HOME/prefixgate/kernels`), keyed by the source, the flags, the compiler and this
 CPU's architecture and features (it is compiled for the machine it runs on), so later starts
@@ -25,6 +36,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -40,6 +52,22 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c
 LINK_FLAGS = ["-shared", "-fopenmp"]
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _DIMS = (64, 128)  # head sizes with functions of their own; others take the generic one
+MAX_QUERIES = 32  # cpu_attention.c's MAX_QUERIES: (row, query head) pairs per task
+WORK_PER_THREAD = 1 << 20  # multiply-adds from which a second thread pays (module docstring)
+_ceiling = threading.local()  # .threads: the most threads a call may use, when not torch's count
+
+
+def set_thread_ceiling(threads: int | None) -> None:
+    """The most threads this thread's calls may use (None: torch.get_num_threads()); for a caller
+    that runs its other work on fewer threads than attention may use."""
+    _ceiling.threads = threads
+
+
+def threads_for(rows: int, heads: int, kv_heads: int, dim: int, tokens: int, most: int) -> int:
+    """Threads for one call: one, plus one per WORK_PER_THREAD multiply-adds; at most one per
+    task, at most `most`."""
+    tasks = kv_heads * -(-rows // max(1, MAX_QUERIES // (heads // kv_heads)))
+    return max(1, min(most, tasks, 1 + tokens * heads * dim // WORK_PER_THREAD))
 
 
 def kernel_dir() -> Path:
@@ -91,7 +119,7 @@ def _build_and_load() -> ctypes.CDLL | None:
                     return None
             os.replace(built, target)  # atomic: concurrent replicas never load a half-written file
     # gcc's -fopenmp links libgomp.so.1, the soname torch's own libgomp already loaded has: the
-    # kernel's threads are torch's pool (and it is told torch's thread count on every call)
+    # kernel's threads are torch's pool (and each call is told how many of its threads to use: threads_for)
     return ctypes.CDLL(str(target))
 
 
@@ -119,9 +147,11 @@ def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: 
     direct = out.dtype == torch.float32 and out.stride(2) == 1 and out.stride(1) == dim
     target = out if direct else torch.empty(rows, heads, dim, dtype=torch.float32)
     fn = _function(k_pool.dtype, dim)
+    most = getattr(_ceiling, "threads", None) or torch.get_num_threads()
+    threads = threads_for(rows, heads, k_pool.shape[0], dim, int(lens.numpy().sum()), most) if most > 1 else 1
     fn(_ptr(qf), ctypes.c_int64(qf.stride(0)), _ptr(k_pool), _ptr(v_pool), ctypes.c_int64(k_pool.stride(0)),
        _ptr(tables), _ptr(offsets), _ptr(lens), rows, heads, k_pool.shape[0], dim, block_size,
-       _ptr(target), ctypes.c_int64(target.stride(0)), torch.get_num_threads())
+       _ptr(target), ctypes.c_int64(target.stride(0)), threads)
     if not direct:
         out.copy_(target)
 

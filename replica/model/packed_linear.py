@@ -10,7 +10,14 @@ reordered once into its blocked layout is faster at the batch sizes a serving st
 - fp32 on AVX2 only: 1.2x to 1.9x at 1 to 64 rows (measured on an earlier machine).
 
 So on x86 every fp32 model is packed, and every bf16 one where oneDNN has bf16 kernels: batches
-are what a replica serves for.
+are what a replica serves for. But not every layer: a oneDNN call costs ~10 us more than
+F.linear's (MKL) whatever its size, so a layer is packed only if its weight has at least
+PACK_MIN_WEIGHT elements (in x out). Measured per call (us, one thread, fp32, 2-core EPYC,
+interleaved, F.linear vs packed): the thin benchmark model's 64 -> 256 at 16 rows 8.5 vs 19,
+at 256 rows 87 vs 90; 128 -> 64 at 16 rows 5.4 vs 16.5; its lm_head 64 -> 2048 (131 k weights)
+at 16 rows 60 vs 57, 64 rows 188 vs 172; the bundled model's smallest, 576 -> 576 (332 k), at
+16 rows 139 vs 113, 64 rows 442 vs 394 (and 1 -> 3072 at 1 row 134 vs 110). So layers of
+under 2^18 weights stay nn.Linear and every layer of a real model is packed as before.
 The weights are the largest part of a decode step. Packed layers replace nn.Linear after
 loading and the dense weight is dropped, so memory stays the same (except a tied lm_head, whose
 embedding keeps its own copy).
@@ -29,6 +36,7 @@ import threading
 import torch
 from torch import nn
 
+PACK_MIN_WEIGHT = 1 << 18  # in x out below which F.linear is as fast or faster (module docstring)
 _active = threading.local()  # .layers: what the calling thread's compiled forward resolves names to
 
 
@@ -84,10 +92,15 @@ def _(x: torch.Tensor, name: str, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def pays(linear: nn.Linear) -> bool:
+    """Whether packing this layer pays: its weight is large enough (PACK_MIN_WEIGHT)."""
+    return linear.in_features * linear.out_features >= PACK_MIN_WEIGHT
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear; returns how many."""
+    """Replace every nn.Linear in `model` for which packing pays by a PackedLinear; returns how many."""
     swaps = [(parent, f"{prefix}.{name}".lstrip("."), name, child) for prefix, parent in model.named_modules()
-             for name, child in parent.named_children() if type(child) is nn.Linear]
+             for name, child in parent.named_children() if type(child) is nn.Linear and pays(child)]
     for parent, full_name, name, child in swaps:
         setattr(parent, name, PackedLinear(child, full_name))
     return len(swaps)
