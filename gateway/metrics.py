@@ -61,6 +61,19 @@ RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 
 SLO_RATIO = Metric("histogram", "prefixgate_slo_observed_ratio", "Observed TTFT or TPOT / the request's objective",
                    ["model_name", "tier", "objective"], buckets=RATIO_BUCKETS, local=True)
 
+# the router's p90 prediction for the chosen replica (router/latency_model.py) against what the
+# gateway observed, from the routing call on: covered / predictions is the p90's coverage
+PREDICTED_OBJECTIVES = ("ttft", "tpot")
+SLO_PREDICTIONS = Metric("counter", "prefixgate_slo_predictions", "Requests with objectives whose routing decision "
+                         "carried a p90 prediction, judged against the observed TTFT or TPOT",
+                         ["model_name", "objective"], local=True)
+SLO_COVERED = Metric("counter", "prefixgate_slo_prediction_covered", "Of prefixgate_slo_predictions, those observed "
+                     "at or under the p90 predicted at decision (the quantile's coverage: aim 0.85-0.95)",
+                     ["model_name", "objective"], local=True)
+SLO_PREDICTION_RATIO = Metric("histogram", "prefixgate_slo_prediction_ratio", "Observed TTFT or TPOT / the p90 "
+                              "predicted at decision (the prediction's error; at most 1: covered)",
+                              ["model_name", "objective"], buckets=RATIO_BUCKETS, local=True)
+
 
 def zero_slo(model: str, tenants: tuple[str, ...], tiers: tuple[str, ...]) -> None:
     """Every SLO counter at 0 for the label values known at start (models, tiers, tenants), in
@@ -72,6 +85,10 @@ def zero_slo(model: str, tenants: tuple[str, ...], tiers: tuple[str, ...]) -> No
                                   *((m, (o,)) for m in (SLO_HAD, SLO_MET) for o in SLO_OBJECTIVES)):
                 metric.zero(model, tenant, tier, *extra)  # Ray's export
                 metric.labels(model, tenant, tier, *extra).inc(0)  # this process's registry
+    for objective in PREDICTED_OBJECTIVES:
+        for metric in (SLO_PREDICTIONS, SLO_COVERED):
+            metric.zero(model, objective)
+            metric.labels(model, objective).inc(0)
 
 
 def start(gateway=None, interval_s: float = 1.0) -> None:

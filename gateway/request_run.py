@@ -35,6 +35,8 @@ class RequestRun:
 
     async def start(self) -> dict[str, str]:
         """Read each stream up to its first token (or end/error) so headers name the replica."""
+        if self.slo is not None:
+            self.slo.routing(time.monotonic())  # reading a stream first is what routes it
         for index in range(len(self.streams)):
             head = await self._head(index)
             error = next((c for c in head if isinstance(c, ErrorChunk)), None)
@@ -54,6 +56,8 @@ class RequestRun:
                 if index == 0:  # the last start wins: a retry names the replica that took over
                     self.replica = chunk.replica
                     self.route = chunk.route
+                    if self.slo is not None:  # the router's p90 for that replica (None: it made none)
+                        self.slo.prediction = chunk.route.prediction if chunk.route is not None else None
                 continue
             if self.slo is not None and not isinstance(chunk, ErrorChunk):
                 at = time.monotonic()

@@ -323,11 +323,12 @@ class Gateway:
                 limit_headers |= await self._limit(served.name, self.keys.tenants[tenant], cost)
             ticket = Ticket(tier, tenant, cost, body.n, len(prompt_ids), arrival)
             objectives = resolve(asked, key.objectives if key is not None else None, self.tier_objectives[tier])
-            if objectives.any:  # recorded and measured only: routing and the queue do not read them yet
+            if objectives.any:  # measured, and routed by (router/slo_policy.py); the queue does not read them yet
                 watch = SloWatch(objectives, served.name, tenant or "anonymous", tier, arrival, body.n)
             await served.flow.acquire(ticket)  # waits while the model's replicas are saturated
             for req in reqs:  # the replica's queue keeps the tier, and a tenant's only request goes first
                 req.priority = replica_priority(tier, ticket.crowded)
+                req.objectives = objectives if objectives.any else None  # the router reads them
         except APIError as e:
             if watch is not None:  # refused by the queue: its objectives were missed
                 watch.failed(e.status)

@@ -11,6 +11,12 @@ With `n` choices the request is as late as its latest choice.
 A request is judged once: when every choice ended, by its timings; when it was refused or
 failed after reaching the queue (429, 5xx), as having met nothing. A client that left before
 the end leaves no verdict (nothing says what it would have seen).
+
+Where the router decided with a latency model (router/slo_policy.py), its decision carries the
+p90 TTFT and TPOT it predicted on the chosen replica (`LatencyPrediction`, back in the stream's
+StartChunk); the judged request's observed TTFT, timed from the routing call (the gateway's
+queue is not the replica's to predict), and TPOT are held against it: the
+prefixgate_slo_prediction_* metrics, the model's coverage and error.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 
 from gateway import metrics as m
 from gateway.flow.slo import Objectives
+from router.protocol.slo import LatencyPrediction
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,18 @@ def record(verdict: Verdict | None, objectives: Objectives, model: str, tenant: 
             m.SLO_RATIO.labels(model, tier, objective).observe(seen * 1000 / goal)
 
 
+def record_prediction(prediction: LatencyPrediction, ttft_s: float | None, tpot_s: float | None, model: str) -> None:
+    """Observed latencies (seconds; None: not observed) against the router's p90 (ms)."""
+    for objective, seen, predicted in (("ttft", ttft_s, prediction.ttft_ms), ("tpot", tpot_s, prediction.tpot_ms)):
+        if seen is None:
+            continue
+        m.SLO_PREDICTIONS.labels(model, objective).inc()
+        if seen * 1000 <= predicted:
+            m.SLO_COVERED.labels(model, objective).inc()
+        if predicted > 0:
+            m.SLO_PREDICTION_RATIO.labels(model, objective).observe(seen * 1000 / predicted)
+
+
 class SloWatch:
     """One request's timings as the gateway receives its choices (RequestRun feeds it), judged once."""
 
@@ -84,6 +103,12 @@ class SloWatch:
         self.tokens = [0] * choices
         self.verdict: Verdict | None = None
         self.judged = False
+        self.routed_at: float | None = None  # when its streams were first read: the routing call
+        self.prediction: LatencyPrediction | None = None  # the router's, for the replica that took it
+
+    def routing(self, at: float) -> None:
+        if self.routed_at is None:
+            self.routed_at = at
 
     def first_token(self, index: int, at: float) -> None:
         if self.first_at[index] is None:
@@ -117,3 +142,6 @@ class SloWatch:
         tpots = [t for t in per_token if t is not None]
         self.verdict = judge(self.objectives, ttft, max(tpots) if tpots else None)
         record(self.verdict, self.objectives, self.model, self.tenant, self.tier)
+        if self.prediction is not None and self.routed_at is not None:
+            first = max(t for t in self.first_at if t is not None)
+            record_prediction(self.prediction, first - self.routed_at, self.verdict.tpot_s, self.model)

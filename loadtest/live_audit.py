@@ -173,6 +173,8 @@ def _classify(rec: AuditRecord, d: Decision) -> str | None:
         return "stale"
     if d.route.reason == "session":
         return "session"
+    if d.route.reason == "slo":
+        return "slo"
     seen_h, seen_c = rec.seen.get(holder), rec.seen.get(chosen, 0)
     if seen_h is not None and seen_h > seen_c:  # it saw the holder's longer match
         if d.route.pull is not None:

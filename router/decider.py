@@ -241,4 +241,6 @@ class Decider:
             kv_pull=bool(hb.get("kv_pull", 0)),  # no heartbeat: no pull hint either
             adapter_resident=resident,
             adapter_load_s=load_s,
+            context_tokens=hb.get("context_tokens", 0),
+            step_fit=self.loads.latency.fit(rid) if hb is not unknown else None,  # no heartbeat: no prediction
         )

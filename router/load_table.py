@@ -3,7 +3,8 @@
 A routing decision reads load from here instead of from Redis, so its cost does not depend
 on the fleet's size; the table costs one pipelined HMGET per replica every `refresh_s`, per
 router. A replica whose heartbeat is missing (expired, never written, not read yet) has
-*unknown* load: `get` returns None and the router must not treat it as idle.
+*unknown* load: `get` returns None and the router must not treat it as idle. Each read also
+feeds the replicas' latency models (router/latency_model.py), refitted here, between decisions.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterable
 
 from router.costs.transfer_model import fleet_rate
 from router.index.redis_index import IndexUnavailable, RedisIndex
+from router.latency_model import LatencyModels
 from router.protocol.redis_schema import LOAD_FIELDS, parse_heartbeat
 
 log = logging.getLogger("prefixgate.router")
@@ -48,6 +50,8 @@ class LoadTable:
         self._hb_keys: dict[str, bytes] = {}
         self.refreshes = 0
         self.updated_at = 0.0
+        # each replica's step model, learned from the heartbeats this table reads (router/latency_model.py)
+        self.latency = LatencyModels()
 
     def watch(self, replica_ids: Iterable[str]) -> set[str]:
         """The replicas to keep fresh (the router's current candidates); returns them as a set,
@@ -147,7 +151,9 @@ class LoadTable:
             loads = {**{k: v for k, v in self._loads.items() if k in self._live}, **loads}
         self._loads = loads
         self.refreshes += 1
-        self.updated_at = time.monotonic()
+        self.updated_at = now = time.monotonic()
+        self.latency.observe(loads, now)
+        self.latency.refit(now)
 
     def _heartbeat_keys(self, ids: list[str]) -> dict[str, bytes]:
         """Encoded heartbeat key names, made once per replica (kept for the current fleet)."""

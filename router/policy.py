@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import bisect
 import random
+from collections.abc import Container
 from dataclasses import dataclass
 
 import xxhash
@@ -17,9 +18,11 @@ from msgspec.structs import replace
 
 from router import policy_table
 from router.costs.transfer_model import TransferModel
+from router.latency_model import StepFit
 from router.policy_table import register_policy
 from router.protocol.media import DISK, HOST
 from router.protocol.messages import KvSource, RouteDecision
+from router.protocol.slo import Objectives
 
 
 @dataclass
@@ -43,6 +46,10 @@ class ReplicaView:
     # first (taking `adapter_load_s`, as it measured), None: no adapter, or the replica says nothing
     adapter_resident: bool | None = None
     adapter_load_s: float = 0.0
+    # for requests with latency objectives (router/slo_policy.py): the tokens of its running
+    # requests, and its step model (router/latency_model.py; None: cold, or no fresh heartbeat)
+    context_tokens: int = 0
+    step_fit: StepFit | None = None
 
     @property
     def device_blocks(self) -> int:
@@ -61,13 +68,16 @@ class RouteRequest:
     # deepest leading-block match in a scored replica's device pool: what a pull could fetch
     # (set by pull-aware policies when they decide, read when they commit)
     fleet_matched: int = 0
+    objectives: Objectives | None = None  # its latency objectives (router/slo_policy.py routes by them)
 
 
 # Every reason a decision (router/protocol/messages.py `RouteDecision`, what every policy here
 # returns) can carry (the `x-prefixgate-route` header, the route metrics' label,
 # the simulator's reason counts and its audit): a policy's own, and `stale`, which the Decider
 # sets on a decision taken without the index (router/decider.py `degraded`).
-REASONS = ("session", "prefix", "load", "fallback", "pull", "stale")
+# `slo`: the request's latency objectives moved it off the replica the policy would have chosen,
+# or no replica was predicted to meet them (router/slo_policy.py).
+REASONS = ("session", "prefix", "load", "fallback", "pull", "stale", "slo")
 
 
 def _require(replicas: list[ReplicaView]) -> None:
@@ -313,14 +323,23 @@ class AffinityPolicy(Policy):
         return self._costs(request, replicas) if replicas else {}
 
     def decide(self, request, replicas, session_replica=None):
+        return self.decide_among(request, replicas, session_replica)
+
+    def decide_among(self, request: RouteRequest, replicas: list[ReplicaView], session_replica: str | None = None,
+                     allowed: Container[str] | None = None) -> RouteDecision:
+        """`decide`, choosing only among the replicas in `allowed` (None: all of them), every
+        replica priced as `decide` prices it: the SLO policy keeps a pull from a holder it will
+        not send the request to (router/slo_policy.py)."""
         _require(replicas)
         costs = self._costs(request, replicas)
-        low = min(costs.values())
-        near = [v for v in replicas if costs[v.replica_id] <= low + self.balance_tolerance * request.num_prompt_tokens]
+        pool = replicas if allowed is None else [v for v in replicas if v.replica_id in allowed]
+        _require(pool)
+        low = min(costs.values()) if allowed is None else min(costs[v.replica_id] for v in pool)
+        near = [v for v in pool if costs[v.replica_id] <= low + self.balance_tolerance * request.num_prompt_tokens]
         recent = self._recent
         best = self._argmin(near, lambda r: (recent.get(r.replica_id, 0.0), costs[r.replica_id]))
         if session_replica is not None and session_replica != best.replica_id:
-            home = next((v for v in replicas if v.replica_id == session_replica), None)
+            home = next((v for v in pool if v.replica_id == session_replica), None)
             # + one request's decode weight: the home's load figure (a heartbeat, refreshed every
             # half second) usually still counts the session's previous turn, just finished there
             limit = self.session_slack * low + self.session_margin * request.num_prompt_tokens + self.decode_weight
@@ -437,8 +456,8 @@ class AffinityPullPolicy(AffinityPolicy):
         costs = self._costs(request, replicas)
         return sorted(replicas, key=lambda v: costs[v.replica_id])
 
-    def decide(self, request, replicas, session_replica=None):
-        decision = super().decide(request, replicas, session_replica)
+    def decide_among(self, request, replicas, session_replica=None, allowed=None):
+        decision = super().decide_among(request, replicas, session_replica, allowed)
         depth = self._pulls.get(decision.replica_id, 0)
         if not depth:
             return decision

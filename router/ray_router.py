@@ -36,7 +36,7 @@ from ray.serve.request_router import (
 from router.decider import STALE_MEMORY_S, Decider, InflightPrefixes, Routed, SessionMemory
 from router.index.redis_index import IndexUnavailable, RedisConfig, RedisIndex
 from router.load_table import LoadTable
-from router.metrics import router_metrics
+from router.metrics import record_slo, router_metrics
 from router.policy import ReplicaView, RouteRequest, make_policy
 from router.protocol.audit_log import AuditWriter
 from router.protocol.hashing import block_hashes, chain_seed
@@ -44,6 +44,7 @@ from router.protocol.messages import GenerateRequest, RouteDecision
 from router.protocol.redis_schema import INFLIGHT_TTL_S
 from router.route_audit import decision_record
 from router.router_options import RouterOptions
+from router.slo_policy import SloPolicy, with_objectives
 
 log = logging.getLogger("prefixgate.router")
 
@@ -61,6 +62,9 @@ class PrefixGateRouter(RequestRouter):
         o = self.options = RouterOptions(**options)
         self.policy = make_policy(o.policy, seed=o.seed, **o.policy_options)
         self.policy_name = self.policy.name  # canonical, as the policy names its decisions
+        # requests with latency objectives: routed by headroom where the policy is an affinity
+        # one, the default among them (router/slo_policy.py); any other policy ignores them
+        self.policy = with_objectives(self.policy)
         self.fallback = make_policy("session", seed=o.seed)
         self.model_id = o.model_id
         self.block_size = o.block_size
@@ -124,15 +128,18 @@ class PrefixGateRouter(RequestRouter):
         start = time.perf_counter()
         session = pending_request.metadata.session_id or req.session_id or None
         hashes = self._hashes(req)
-        route = RouteRequest(hashes, len(req.prompt_token_ids), self.block_size, session, self._adapter(req))
+        route = RouteRequest(hashes, len(req.prompt_token_ids), self.block_size, session, self._adapter(req),
+                             objectives=req.objectives)
         self._calibrate()
         routed = await self._decide(route, by_id)
         self._remember(key, routed)
         decision = routed.decision
         metrics = router_metrics()
         metrics.latency.observe(time.perf_counter() - start)
-        metrics.decisions.labels(self.policy_name, decision.reason).inc()
-        metrics.matched_blocks.labels(self.policy_name).inc(decision.matched_blocks)
+        metrics.decisions.labels(decision.policy, decision.reason).inc()
+        metrics.matched_blocks.labels(decision.policy).inc(decision.matched_blocks)
+        if route.objectives is not None and isinstance(self.policy, SloPolicy):  # cold: no prediction
+            record_slo(metrics, route.objectives, decision.prediction)
         # the decision travels beside the request, as the replica call's `route` keyword:
         # whichever replica takes it (this decision's or a fallback) reads the pull hint there
         pending_request.kwargs["route"] = decision

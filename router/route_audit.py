@@ -7,9 +7,12 @@ from __future__ import annotations
 from router.decider import Routed
 from router.policy import AffinityPolicy, Policy
 from router.protocol import audit_log
+from router.slo_policy import SloPolicy
 
 
 def decision_record(policy: Policy, routed: Routed, replica_id: str, request_id: str) -> audit_log.Decision:
+    if isinstance(policy, SloPolicy):  # its costs and balance are today's policy's
+        policy = policy.base
     route, decision, views = routed.route, routed.decision, routed.views
     affinity = isinstance(policy, AffinityPolicy)
     costs = policy.costs(route, views)  # recomputed from the kept views: only while auditing

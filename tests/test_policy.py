@@ -324,7 +324,7 @@ def test_route_reasons_are_one_list_with_stale():
     from router.policy import REASONS
     from router.sim.loads import SimLoadTable
 
-    assert set(REASONS) == {"session", "prefix", "load", "fallback", "pull", "stale"}
+    assert set(REASONS) == {"session", "prefix", "load", "fallback", "pull", "stale", "slo"}
 
     class Rep:
         def heartbeat(self, now):

@@ -3,9 +3,10 @@
 A client states them with llm-d's headers (`x-slo-ttft-ms`, `x-slo-tpot-ms`); an API key may set
 defaults for its requests (`slo_ttft_ms`, `slo_tpot_ms` in the key file), and the app for each
 service tier (`AppConfig.slo_ttft_ms` / `slo_tpot_ms`, tier -> ms). Each objective is resolved on
-its own: the header's, else the key's, else the tier's. Today the gateway records and measures
-them (gateway/slo_watch.py); nothing routes, admits or schedules by them yet (docs/flow-control.md,
-"Latency objectives").
+its own: the header's, else the key's, else the tier's. The gateway measures them
+(gateway/slo_watch.py) and sends them with the request to the router, which routes by them
+(router/slo_policy.py); nothing admits or schedules by them yet (docs/flow-control.md, "Latency
+objectives"). The struct itself is router/protocol/slo.py's: it crosses processes.
 """
 
 from __future__ import annotations
@@ -13,29 +14,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-import msgspec
+from router.protocol.slo import Objectives
+
+__all__ = ["MAX_MS", "TPOT_HEADER", "TTFT_HEADER", "Objectives", "check_ms", "header_ms", "header_objectives",
+           "resolve", "tier_defaults", "valid_ms"]
 
 TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"
 MAX_MS = 3_600_000  # one hour: anything longer is a client's mistake, not an objective
 _DIGITS = re.compile(r"[0-9]{1,7}")  # at most 7 digits: never more than MAX_MS needs, never a huge int()
-
-
-class Objectives(msgspec.Struct, frozen=True, omit_defaults=True):
-    """A request's objectives (None: no objective of that kind), the one typed form on the
-    request path: parsed from the headers, the key's and the tier's defaults alike."""
-
-    ttft_ms: int | None = None
-    tpot_ms: int | None = None
-
-    @property
-    def any(self) -> bool:
-        return self.ttft_ms is not None or self.tpot_ms is not None
-
-    def over(self, defaults: Objectives) -> Objectives:
-        """These objectives, each one missing here taken from `defaults`."""
-        return Objectives(self.ttft_ms if self.ttft_ms is not None else defaults.ttft_ms,
-                          self.tpot_ms if self.tpot_ms is not None else defaults.tpot_ms)
 
 
 def valid_ms(value: object) -> bool:

@@ -90,7 +90,7 @@ ROWS = [
     ("Latency objectives (docs/flow-control.md)", [
         ("Objectives met, by objective", "percentunit",
          "Requests that met their x-slo-ttft-ms / x-slo-tpot-ms objective (header, API key or tier default) / requests "
-         "that had it; both: had and met both. Measured only: routing and the queue do not act on objectives yet.",
+         "that had it; both: had and met both. Routing acts on them (the `slo` policy); the queue does not yet.",
          [(f"sum by (objective) (rate(ray_prefixgate_slo_met_total{{{M}}}{RATE})) / "
            f"sum by (objective) (rate(ray_prefixgate_slo_objectives_total{{{M}}}{RATE}))", "{{objective}}")]),
         ("Goodput", "reqps", "Requests per second that met every objective they had, beside all requests with objectives.",
@@ -101,6 +101,17 @@ ROWS = [
            f"sum by (tier, tenant) (rate(ray_prefixgate_slo_requests_total{{{M}}}{RATE}))", "{{tier}} {{tenant}}")]),
         ("Observed / objective", "short", "Observed TTFT and TPOT over the request's objective (1: exactly on it; above: missed).",
          [(q(x, "ray_prefixgate_slo_observed_ratio", "objective", M), f"p{int(x * 100)} {{{{objective}}}}") for x in (0.5, 0.9)]),
+        ("Latency model: p90 coverage", "percentunit",
+         "Requests whose observed TTFT / TPOT (from the routing call) was at or under the p90 the router predicted for "
+         "the chosen replica at decision / requests judged with a prediction. Aim 0.85-0.95: lower, the model is "
+         "optimistic; higher, it wastes headroom. Error: prefixgate_slo_prediction_ratio (docs/metrics.md).",
+         [(f"sum by (objective) (rate(ray_prefixgate_slo_prediction_covered_total{{{M}}}{RATE})) / "
+           f"sum by (objective) (rate(ray_prefixgate_slo_predictions_total{{{M}}}{RATE}))", "{{objective}}")]),
+        ("Routing with objectives: predicted outcome", "reqps",
+         "Decisions for requests with objectives: the chosen replica predicted to meet them (met), none predicted to "
+         "(violated: the least violation was chosen), or no warm latency model (cold: today's costs chose). "
+         "Headroom at decision: prefixgate_route_slo_headroom (docs/metrics.md).",
+         [(f"sum by (outcome) (rate(ray_prefixgate_route_slo_decisions_total{RATE}))", "{{outcome}}")]),
     ]),
     ("Errors and recovery", [
         ("429s (replicas saturated)", "reqps", "",

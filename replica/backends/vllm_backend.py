@@ -47,6 +47,7 @@ from replica.backends.engine_protocol import Capabilities, KvPullPeer, ModelFact
 from replica.backends.vllm_settings import VLLM_BLOCK_MULTIPLE, VllmSettings
 from replica.core.engine_types import EngineStats, InvalidRequestError, RequestOutput, refuse_unfit
 from replica.core.request_metrics import RequestMetrics
+from replica.core.step_timings import StepTotals
 from replica.default_model import resolve_model
 from replica.engine_config import EngineConfig
 from router.protocol.events import KVEventListener
@@ -58,6 +59,7 @@ from router.vllm_events import EventTranslator, pump_events
 
 log = logging.getLogger("prefixgate.replica.vllm")
 LORA_RESIDENCY_S = 1.0  # how often the adapters vLLM holds are read for the heartbeat
+IDLE_GAP_S = 2.0  # between two step reports, longer than this is the engine idle, not one step
 
 
 class _Scheduler:
@@ -72,6 +74,11 @@ class _Scheduler:
         self.hit_tokens = 0
         self.preemptions = 0
         self.steps = 0
+        # vLLM's steps for the router's latency model: a step's time is the gap since the previous
+        # report while the engine had work (an idle gap is no step), its prefill the prompt tokens
+        # it computed, its rows the tokens it generated, its context the K/V in use
+        self.step_totals = StepTotals()
+        self._last_at: float | None = None
 
     def logger_factory(self):
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -93,11 +100,25 @@ class _Scheduler:
                     state.hit_tokens += cache.hits
                 if iteration_stats is not None:
                     state.preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
+                    pool = self.vllm_config.cache_config
+                    state.time_step(iteration_stats, state.kv_usage * (pool.num_gpu_blocks or 0) * pool.block_size)
 
             def log_engine_initialized(self) -> None:
                 pass
 
         return SchedulerFigures
+
+    def time_step(self, iteration, context_tokens: float) -> None:
+        """One engine step as vLLM reported it, timed from the previous report (a gap over a
+        few seconds is idle time, not a step)."""
+        at = getattr(iteration, "iteration_timestamp", None)
+        last, self._last_at = self._last_at, at
+        rows = getattr(iteration, "num_generation_tokens", 0)
+        prefill = getattr(iteration, "num_prompt_tokens", 0)
+        if at is None or last is None or not (rows or prefill) or not 0 < at - last < IDLE_GAP_S:
+            return
+        started = len(getattr(iteration, "time_to_first_tokens_iter", ()))  # first tokens: prefills that ended
+        self.step_totals.record(at - last, prefill, rows, round(context_tokens), started)
 
 
 @dataclass
@@ -119,6 +140,9 @@ class VllmBackend:
         self.tokenizer = engine.get_tokenizer()
         self.translator = translator
         self.figures = figures
+        # the most tokens one of vLLM's steps schedules (the heartbeat's step_token_budget)
+        vc = getattr(engine, "vllm_config", None)  # a test's stand-in engine may have none
+        self._step_budget = int(vc.scheduler_config.max_num_batched_tokens or 0) if vc is not None else 0
         self._events = events
         self._listeners: list[KVEventListener] = []
         self._inflight: dict[str, _InFlight] = {}
@@ -475,6 +499,8 @@ class VllmBackend:
             blocks_free=f.num_blocks - used - cached, evictions=self.translator.stats.removed, preemptions=fig.preemptions,
             pending_prefill_tokens=sum(r.prompt_tokens for r in unstarted), steps=fig.steps,
             generated_tokens=self._generated, lora_resident=list(self._lora_resident), lora_load_s=self._lora_load_s,
+            context_tokens=used * f.block_size, step_token_budget=self._step_budget,
+            step_totals=dataclasses.replace(fig.step_totals),
         )
 
     def step_progress(self) -> tuple[int, int]:

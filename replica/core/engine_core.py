@@ -11,6 +11,7 @@ rule changed here changes both.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -30,6 +31,7 @@ from replica.core.engine_types import (
 )
 from replica.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.core.sequence import Sequence
+from replica.core.step_timings import StepTotals, chunk_shape
 from replica.kvcache.block_manager import BlockManager
 from replica.kvcache.kv_tiers import CopyStats, TierMover
 from router.protocol.events import KVEventListener
@@ -79,6 +81,7 @@ class EngineCore:
         self._block_size = block_size
         self._seeds: dict[str | None, int] = {}
         self._steps = 0
+        self.step_totals = StepTotals()  # the heartbeat's step_* fields (router/latency_model.py learns from them)
         self._generated = 0
         self._scheduled_at: dict[str, float] = {}  # request id -> first scheduled (queue time)
 
@@ -212,8 +215,9 @@ class EngineCore:
         for c in chunks:
             self._scheduled_at.setdefault(c.seq.request_id, scheduled)
         writing = self._start_writeback()
+        admitted = {id(c.seq) for c in chunks} - before
         try:
-            samplers, tokens, logprobs = self.executor.execute(chunks, {id(c.seq) for c in chunks} - before)
+            samplers, tokens, logprobs = self.executor.execute(chunks, admitted)
         finally:
             if writing is not None:
                 failed = writing.exception()
@@ -222,6 +226,7 @@ class EngineCore:
                 self.blocks.finish_writeback(ok=failed is None)
         self.scheduler.commit(chunks)
         self._steps += 1
+        self.step_totals.record(time.monotonic() - scheduled, *chunk_shape(chunks), len(admitted))
         outputs: list[RequestOutput] = []
         now = time.monotonic()
         for seq, token, logprob in zip(samplers, tokens, logprobs, strict=True):
@@ -334,6 +339,9 @@ class EngineCore:
             ) + pending,
             steps=self._steps,
             generated_tokens=self._generated,
+            context_tokens=sum(s.num_tokens for s in self.scheduler.running),
+            step_token_budget=self.scheduler.config.max_num_batched_tokens,
+            step_totals=dataclasses.replace(self.step_totals),  # a copy: the snapshot outlives this step
             tiers=self.tier_usage(),
             **self._lora_stats(),
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from replica.core.request_metrics import RequestMetrics
+from replica.core.step_timings import StepTotals
 
 if TYPE_CHECKING:
     from replica.core.sequence import Sequence
@@ -65,6 +66,10 @@ class EngineStats:
     max_loras: int = 0
     lora_resident: list[str] = field(default_factory=list)  # identities in host memory (no disk read to start)
     lora_load_s: float = 0.0  # measured: reading one adapter from disk (0: none read yet)
+    # for the router's latency model (the Heartbeat's context_tokens, step_token_budget, step_*)
+    context_tokens: int = 0  # tokens of the running requests
+    step_token_budget: int = 0  # the most tokens one step schedules (0: unknown)
+    step_totals: StepTotals = field(default_factory=StepTotals)
 
 
 @dataclass

@@ -31,6 +31,9 @@ def build_heartbeat(backend: EngineBackend, puller: PullLoad | None,
         "generated_tokens": s.generated_tokens,
         "lora_resident": " ".join(s.lora_resident),
         "lora_load_ms": round(s.lora_load_s * 1000),
+        "context_tokens": s.context_tokens,
+        "step_token_budget": s.step_token_budget,
+        **s.step_totals.heartbeat(),  # what the router's latency model learns from
     }
     for medium, tier in s.tiers.items():  # the K/V tiers below the pool
         load[f"{medium}_blocks"] = tier.blocks

@@ -19,6 +19,7 @@ import msgspec
 
 from router.protocol.lora import AdapterRef
 from router.protocol.sampling import SamplingParams
+from router.protocol.slo import LatencyPrediction, Objectives
 
 # A replica with nothing else to send for this long sends an AliveChunk, so the gateway can
 # tell a request that is slow (queued, long prefill) from a replica that stopped answering
@@ -57,6 +58,9 @@ class RouteDecision(msgspec.Struct, frozen=True, omit_defaults=True):
     replica_id: str  # the replica the policy chose (Ray may place it on a fallback)
     matched_blocks: int = 0  # leading blocks of the prompt the index says that replica holds
     pull: KvSource | None = None  # copy these leading blocks from another replica first
+    # the router's p90 TTFT and TPOT for the request on `replica_id` (a request with objectives,
+    # decided with a warm latency model: router/slo_policy.py); the gateway measures its coverage
+    prediction: LatencyPrediction | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The decision as the gateway reports it (`prefixgate.route` in responses)."""
@@ -64,6 +68,9 @@ class RouteDecision(msgspec.Struct, frozen=True, omit_defaults=True):
                                "matched_blocks": self.matched_blocks}
         if self.pull is not None:
             out["pull_from"], out["pull_blocks"] = self.pull.replica_id, self.pull.num_blocks
+        if self.prediction is not None:
+            out["predicted_ttft_ms"] = round(self.prediction.ttft_ms, 1)
+            out["predicted_tpot_ms"] = round(self.prediction.tpot_ms, 1)
         return out
 
 
@@ -73,7 +80,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     where it enters a replica process (`checked_request`), and handed as it is to the backend
     (`EngineBackend.generate(request)`) and to the engine core (`EngineCore.add`). The prompt ids
     are never copied on the way; the Sequence takes its one working copy. A field a later
-    feature needs (latency objectives, a prefill/decode hand-over) is added here, with a default."""
+    feature needs (a prefill/decode hand-over) is added here, with a default."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -96,6 +103,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # the decision that travels beside the request (never by the gateway, so a retry cannot carry
     # an earlier attempt's hint); our engine gets the pulled K/V itself, the sim engine models it
     pull: KvSource | None = None
+    # its latency objectives (gateway/flow/slo.py resolves them; None: it has none): the router
+    # routes it by them (router/slo_policy.py); a request without them is routed as before
+    objectives: Objectives | None = None
 
     @property
     def continuing(self) -> bool:

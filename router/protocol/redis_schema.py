@@ -57,6 +57,20 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     # reading one from disk, ms (0: none read yet)
     lora_resident: str = ""
     lora_load_ms: int = 0
+    # what the router's latency model (router/latency_model.py) learns from: the tokens of the
+    # requests running now, the most tokens one step schedules (0: unknown), and the replica's
+    # steps, cumulative since it started (a router takes the difference of two reads: one sample
+    # of the mean step over that interval; a total that went down is a restart): how many, their
+    # wall time (us), and their prefill tokens, decode rows, context tokens (K/V read) and the
+    # requests that started in them
+    context_tokens: int = 0
+    step_token_budget: int = 0
+    step_count: int = 0
+    step_us: int = 0
+    step_prefill_tokens: int = 0
+    step_rows: int = 0
+    step_context_tokens: int = 0
+    step_started: int = 0
     # not read by routers
     pid: int = 0  # the replica's process (operators, the fault tests)
     generated_tokens: int = 0  # output tokens since start (tests see whether an aborted request stopped)

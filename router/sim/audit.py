@@ -59,6 +59,8 @@ CAUSES: dict[str, str] = {
                 "max_ongoing_requests)",
     "stale": "(live) the index did not answer within the lookup's deadline; the router decided from its own memory",
     "session": "session stickiness overrode the policy's own choice",
+    "slo": "(live) the request's latency objectives moved it off the replica the policy would have chosen (that one "
+           "was predicted to miss them), or no replica was predicted to meet them (router/slo_policy.py)",
     "load": "the policy saw the holder's longer match but priced it higher than the chosen replica by more "
             "than balance_tolerance (its queue)",
     "balance": "the holder was within balance_tolerance of the cheapest and lost the recent-work tie-break",
