@@ -55,6 +55,7 @@ _DIMS = (64, 128)  # head sizes with functions of their own; others take the gen
 MAX_QUERIES = 32  # cpu_attention.c's MAX_QUERIES: (row, query head) pairs per task
 WORK_PER_THREAD = 1 << 20  # multiply-adds from which a second thread pays (module docstring)
 _ceiling = threading.local()  # .threads: the most threads a call may use, when not torch's count
+_last = threading.local()  # .lens: (lengths tensor, their sum): a step's layers pass the same tensor
 
 
 def set_thread_ceiling(threads: int | None) -> None:
@@ -148,12 +149,21 @@ def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: 
     target = out if direct else torch.empty(rows, heads, dim, dtype=torch.float32)
     fn = _function(k_pool.dtype, dim)
     most = getattr(_ceiling, "threads", None) or torch.get_num_threads()
-    threads = threads_for(rows, heads, k_pool.shape[0], dim, int(lens.numpy().sum()), most) if most > 1 else 1
+    threads = threads_for(rows, heads, k_pool.shape[0], dim, _tokens(lens), most) if most > 1 else 1
     fn(_ptr(qf), ctypes.c_int64(qf.stride(0)), _ptr(k_pool), _ptr(v_pool), ctypes.c_int64(k_pool.stride(0)),
        _ptr(tables), _ptr(offsets), _ptr(lens), rows, heads, k_pool.shape[0], dim, block_size,
        _ptr(target), ctypes.c_int64(target.stride(0)), threads)
     if not direct:
         out.copy_(target)
+
+
+def _tokens(lens: torch.Tensor) -> int:
+    """Context tokens of all rows, summed once per step: every layer of a step passes the same
+    lengths tensor (a new one each step). Only the thread count depends on it, never a result."""
+    last = getattr(_last, "lens", None)
+    if last is None or last[0] is not lens:
+        last = _last.lens = (lens, int(lens.numpy().sum()))
+    return last[1]
 
 
 @cache
