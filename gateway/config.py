@@ -165,9 +165,14 @@ class AppConfig:
     # latency objectives (gateway/flow/slo.py, docs/flow-control.md "Latency objectives")
     slo_ttft_ms: dict[str, int] = setting(factory=dict, help="default time-to-first-token objective per service tier, "
                                           "ms (priority, default, flex; e.g. priority=500), for requests whose header "
-                                          "(x-slo-ttft-ms) and API key state none; recorded and measured, not yet acted on")
+                                          "(x-slo-ttft-ms) and API key state none: measured, routed by, ordering the "
+                                          "queue and, with slo_shed, shedding")
     slo_tpot_ms: dict[str, int] = setting(factory=dict, help="default time-per-output-token objective per service tier, "
                                           "ms (as slo_ttft_ms; header x-slo-tpot-ms)")
+    slo_shed: bool = setting(True, help="flow control on: refuse (429 with Retry-After) a default or flex request "
+                                        "whose TTFT objective the replicas' latency models say no replica can meet, or "
+                                        "whose objective's deadline passed while it waited (priority requests wait instead; "
+                                        "false: objectives order the queue and route, never shed)")
     flow_prefill_tokens: int | None = setting(None, help="per replica: prompt tokens sent and not yet started (pending "
                                                          "prefill) past which requests wait in the gateway; a replica "
                                                          "whose heartbeat shows as many is full (default: 2 x max_num_batched_tokens)")

@@ -35,8 +35,9 @@ QUEUE_WAIT = Metric("histogram", "prefixgate_queue_wait_seconds",
                     "Time a request waited in the gateway's queue before it was sent (0: sent at once), or refused",
                     ["model_name", "tier", "tenant"], buckets=LATENCY_BUCKETS, local=True)
 # reason: queue_full (refused to keep the queue bounded), max_wait (its tier's maximum wait passed),
-# disconnected (its client left while it waited; never sent), shutdown, rate_limit (its tenant's rpm/tpm)
-SHED_REASONS = ("queue_full", "max_wait", "disconnected", "shutdown", "rate_limit")
+# disconnected (its client left while it waited; never sent), shutdown, rate_limit (its tenant's rpm/tpm),
+# slo (a latency objective it cannot meet: prefixgate_slo_shed has the detail)
+SHED_REASONS = ("queue_full", "max_wait", "disconnected", "shutdown", "rate_limit", "slo")
 SHED = Metric("counter", "prefixgate_shed_requests",
               "Requests refused or dropped before reaching a replica, by model, reason and tenant",
               ["model_name", "reason", "tenant"], local=True)
@@ -74,6 +75,15 @@ SLO_PREDICTION_RATIO = Metric("histogram", "prefixgate_slo_prediction_ratio", "O
                               "predicted at decision (the prediction's error; at most 1: covered)",
                               ["model_name", "objective"], buckets=RATIO_BUCKETS, local=True)
 
+# requests shed for a TTFT objective they cannot meet (gateway/flow/slo_admission.py): reason
+# predicted (the best prediction says so as it was about to be sent) or expired (its deadline
+# passed in the queue); only the tiers that are shed (priority never is)
+SLO_SHED_TIERS = ("default", "flex")
+SLO_SHED_REASONS = ("predicted", "expired")
+SLO_SHED = Metric("counter", "prefixgate_slo_shed", "Requests refused with 429 for a time-to-first-token objective "
+                  "they could not meet (predicted: on no replica; expired: its deadline passed in the queue)",
+                  ["model_name", "tenant", "tier", "reason"], local=True)
+
 
 def zero_slo(model: str, tenants: tuple[str, ...], tiers: tuple[str, ...]) -> None:
     """Every SLO counter at 0 for the label values known at start (models, tiers, tenants), in
@@ -85,6 +95,10 @@ def zero_slo(model: str, tenants: tuple[str, ...], tiers: tuple[str, ...]) -> No
                                   *((m, (o,)) for m in (SLO_HAD, SLO_MET) for o in SLO_OBJECTIVES)):
                 metric.zero(model, tenant, tier, *extra)  # Ray's export
                 metric.labels(model, tenant, tier, *extra).inc(0)  # this process's registry
+            if tier in SLO_SHED_TIERS:
+                for reason in SLO_SHED_REASONS:
+                    SLO_SHED.zero(model, tenant, tier, reason)
+                    SLO_SHED.labels(model, tenant, tier, reason).inc(0)
     for objective in PREDICTED_OBJECTIVES:
         for metric in (SLO_PREDICTIONS, SLO_COVERED):
             metric.zero(model, objective)

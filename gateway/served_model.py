@@ -18,6 +18,7 @@ from gateway.config import AppConfig
 from gateway.flow.admission import FlowController
 from gateway.flow.keys import KeyTable
 from gateway.flow.saturation import HEADROOM_PER_REPLICA, Capacity, HeartbeatReader
+from gateway.flow.slo_admission import TtftFloor
 from gateway.tokenization import PromptBuilder
 from router.protocol.lora import adapter_ref
 from router.protocol.redis_schema import RedisKeys
@@ -50,9 +51,12 @@ class ServedModel:
         # rounded up, the gateways' shares can add up to more than the replicas take: bound the sum too
         shared = c.flow_control and gateways > 1
         fleet_seats, fleet_headroom = (most * c.max_ongoing_requests, most * HEADROOM_PER_REPLICA) if shared else (0, 0)
-        reader = None
+        reader = floor = None
         if c.flow_control and c.redis_url:
             reader = HeartbeatReader(c.redis_url, RedisKeys(c.key_prefix, c.index_buckets), c.load_refresh_s)
+            # the replicas' step models on the heartbeats it reads: the TTFT floor admission sheds by
+            floor = TtftFloor()
+            reader.on_read = floor.observe
         tenants = keys.tenants
         controller = FlowController(
             Capacity(seats, prefill, c.flow_replica_waiting, c.flow_kv_free_min, shared=gateways > 1,
@@ -61,7 +65,7 @@ class ServedModel:
             {"priority": c.queue_wait_priority_s, "default": c.queue_wait_default_s, "flex": c.queue_wait_flex_s},
             c.replicas, weight=lambda flow: tenants[flow].weight if flow in tenants else 1.0, reader=reader,
             tenants=tuple(tenants) or ("anonymous",), shutting_down=shutting_down, enabled=c.flow_control,
-            model=self.name,
+            model=self.name, forecast=floor.best_ttft_s if floor is not None else None, slo_shed=c.slo_shed,
         )
         if reader is not None and gateways > 1:  # tenants' shares judged over every gateway's seats
             reader.share, reader.gateway_id = controller.ledger.seats, gateway_id or uuid.uuid4().hex

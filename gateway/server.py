@@ -3,7 +3,8 @@
 It applies the chat template and tokenises once, validates everything it can before a replica
 sees the request (so bad input is a 4xx, never a 500 or a hang), applies the tenant's rate limits,
 holds the request in its queue while the replicas are saturated (by service tier, then fair
-share between tenants: gateway/flow/; a full queue or a maximum wait is a 429 with Retry-After),
+share between tenants, then deadline: gateway/flow/; a full queue, a maximum wait or a latency
+objective it cannot meet is a 429 with Retry-After),
 and streams the replica's tokens back as SSE. A request
 whose replica dies or drains is rerun on another replica, or continued there from the tokens
 already sent (gateway/migration.py); only when no replica can finish it does it get a 503.
@@ -321,16 +322,17 @@ class Gateway:
             cost = len(prompt_ids) + body.n * max_tokens  # tokens: the prompt and the most it may produce
             if key is not None:
                 limit_headers |= await self._limit(served.name, self.keys.tenants[tenant], cost)
-            ticket = Ticket(tier, tenant, cost, body.n, len(prompt_ids), arrival)
             objectives = resolve(asked, key.objectives if key is not None else None, self.tier_objectives[tier])
-            if objectives.any:  # measured, and routed by (router/slo_policy.py); the queue does not read them yet
+            # the TTFT objective orders the queue and may shed the request (gateway/flow/slo_admission.py)
+            ticket = Ticket(tier, tenant, cost, body.n, len(prompt_ids), arrival, ttft_ms=objectives.ttft_ms)
+            if objectives.any:  # measured, and routed by (router/slo_policy.py)
                 watch = SloWatch(objectives, served.name, tenant or "anonymous", tier, arrival, body.n)
             await served.flow.acquire(ticket)  # waits while the model's replicas are saturated
             for req in reqs:  # the replica's queue keeps the tier, and a tenant's only request goes first
                 req.priority = replica_priority(tier, ticket.crowded)
                 req.objectives = objectives if objectives.any else None  # the router reads them
         except APIError as e:
-            if watch is not None:  # refused by the queue: its objectives were missed
+            if watch is not None:  # refused by the queue (or shed for its objective): its objectives were missed
                 watch.failed(e.status)
             e.headers = {**limit_headers, **e.headers}
             m.REQUESTS.labels(label, endpoint, str(e.status)).inc()

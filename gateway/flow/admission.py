@@ -8,6 +8,12 @@ went away is cancelled by Serve: its request leaves the queue and is never sent.
 given back through `done` + `set_in_flight` (a request ends) and `started` (first token: its
 prompt is no longer pending prefill); each of those sends whatever now fits.
 
+Latency objectives (gateway/flow/slo_admission.py): a queued request with a TTFT objective
+leaves before its tenant's later-due ones (fair_queue.py); with `slo_shed`, a `default` or
+`flex` request that the gateway's prediction says cannot meet its objective anywhere, asked once
+as it is about to be sent, is refused with a 429, and so is one whose objective's deadline
+passes while it waits. A `priority` request waits as any other.
+
 Only a request's first admission passes here: a stream that moves to another replica after a
 replica failure (gateway/migration.py) continues inside its ResilientStream and never queues
 again.
@@ -27,6 +33,7 @@ from gateway import metrics as m
 from gateway.errors import APIError
 from gateway.flow.fair_queue import Entry, FairQueue, Flow
 from gateway.flow.saturation import NOWHERE, Capacity, Elsewhere, HeartbeatReader, Ledger, has_room
+from gateway.flow.slo_admission import SHEDDABLE_RANKS, Shed, predicted_shed, refusal
 from gateway.flow.tiers import RANK, TIERS
 
 log = logging.getLogger("prefixgate.flow")
@@ -57,7 +64,9 @@ class Ticket:
     n: int  # seats: streams the request runs
     tokens: int  # prompt tokens (pending prefill until its first token)
     arrival: float = field(default_factory=time.monotonic)
+    ttft_ms: int | None = None  # its TTFT objective (None: none): its deadline in the queue, its shed
     sent: bool = False
+    asked: bool = False  # the TTFT prediction was read for it (once per request)
     crowded: bool = False  # sent while its tenant held its share of the seats or more (Ledger.over_share, tiers.replica_priority)
     started_: bool = False
     done_: bool = False
@@ -67,7 +76,8 @@ class FlowController:
     def __init__(self, capacity: Capacity, queue_size: int, max_wait_s: dict[str, float], replicas: int,
                  weight: Callable[[Flow], float] | None = None, reader: HeartbeatReader | None = None,
                  label: Callable[[Flow], str] | None = None, tenants: tuple[str, ...] = (),
-                 shutting_down: Callable[[], bool] | None = None, enabled: bool = True, model: str = "") -> None:
+                 shutting_down: Callable[[], bool] | None = None, enabled: bool = True, model: str = "",
+                 forecast: Callable[[], float | None] | None = None, slo_shed: bool = True) -> None:
         self.capacity, self.max_wait_s, self.replicas = capacity, dict(max_wait_s), replicas
         self.queue = FairQueue(queue_size, weight)
         self.ledger = Ledger()
@@ -82,6 +92,9 @@ class FlowController:
         self.sent = 0
         self._sends: deque[float] = deque(maxlen=256)  # recent send times: the drain rate for Retry-After
         self.model = model  # the served model whose queue this is (its metrics' model_name)
+        # the best p90 TTFT on the replicas, seconds (slo_admission.TtftFloor; None: no prediction)
+        self.forecast = forecast
+        self.slo_shed = slo_shed  # shed default and flex requests that cannot meet their TTFT objective
 
     # ---- the request's side ------------------------------------------------------------------
     async def acquire(self, ticket: Ticket) -> None:
@@ -89,13 +102,17 @@ class FlowController:
             raise self._refusal("shutdown", ticket)
         self._ensure_task()
         if not len(self.queue) and self._room(ticket):
+            shed = self._predicted(ticket)
+            if shed is not None:
+                raise self._slo_refusal(shed, ticket)
             self._send(ticket)
             return
         if not self.enabled:
             raise self._refusal("queue_full", ticket)
         fut = asyncio.get_running_loop().create_future()
+        due = ticket.arrival + ticket.ttft_ms / 1000 if ticket.ttft_ms is not None else math.inf
         entry = Entry(RANK[ticket.tier], ticket.flow, ticket.cost, ticket.arrival + self.max_wait_s[ticket.tier],
-                      payload=(ticket, fut))
+                      payload=(ticket, fut), due=due)
         victim = self.queue.push(entry)
         if victim is not None:
             self._refuse(victim, "queue_full")
@@ -170,6 +187,10 @@ class FlowController:
         now = time.monotonic()
         for entry in self.queue.expired(now):
             self._refuse(entry, "max_wait")
+        if self.slo_shed:  # past its objective's deadline: it cannot meet it any more
+            for entry in self.queue.overdue(now, SHEDDABLE_RANKS):
+                ticket, _ = entry.payload
+                self._reject(entry, self._slo_refusal(Shed("expired", ticket.ttft_ms, now - ticket.arrival), ticket))
         while (entry := self.queue.peek()) is not None:
             ticket, fut = entry.payload
             if fut.done():  # cancelled: its waiter takes it out as it wakes
@@ -178,8 +199,35 @@ class FlowController:
             if not self._room(ticket):
                 break
             self.queue.pop()
+            shed = self._predicted(ticket)
+            if shed is not None:
+                self._reject(entry, self._slo_refusal(shed, ticket))
+                continue
             self._send(ticket)
             fut.set_result(None)
+
+    def _predicted(self, ticket: Ticket) -> Shed | None:
+        """Whether `ticket`, about to be sent, is shed for its TTFT objective: the prediction is
+        read once per request, and only for a sheddable one with an objective."""
+        if not self.slo_shed or ticket.asked or ticket.ttft_ms is None or ticket.tier == "priority":
+            return None
+        ticket.asked = True
+        predicted = self.forecast() if self.forecast is not None else None
+        return predicted_shed(ticket.tier, ticket.ttft_ms, time.monotonic() - ticket.arrival, predicted)
+
+    def _slo_refusal(self, shed: Shed, ticket: Ticket) -> APIError:
+        m.SLO_SHED.labels(self.model, self._label(ticket.flow), ticket.tier, shed.reason).inc()
+        m.SHED.labels(self.model, "slo", self._label(ticket.flow)).inc()
+        retry = self.retry_after(ticket.tier) if shed.reason == "expired" else None
+        return refusal(shed, ticket.tier, retry)
+
+    def _reject(self, entry: Entry, error: APIError) -> None:
+        """Take a queued request out with `error` (its wait observed)."""
+        self.queue.remove(entry)
+        ticket, fut = entry.payload
+        if not fut.done():
+            fut.set_exception(error)
+        m.QUEUE_WAIT.labels(self.model, ticket.tier, self._label(ticket.flow)).observe(time.monotonic() - ticket.arrival)
 
     def _refuse(self, entry: Entry, reason: str) -> None:
         self.queue.remove(entry)

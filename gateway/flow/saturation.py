@@ -174,7 +174,9 @@ class HeartbeatReader:
     from the registry set every `ids_every` refreshes). `loads()` is None when they are unknown:
     Redis away, or nothing read for `max_age_s`. With `share` (several gateways) each refresh
     also writes this gateway's FlowSeats under `gateway_id` and reads the others'
-    (`elsewhere()`: nothing known once they are older than `max_age_s`)."""
+    (`elsewhere()`: nothing known once they are older than `max_age_s`). `on_read`, when set,
+    is given each read's heartbeats by replica id and its time (the model's TTFT floor:
+    slo_admission.TtftFloor)."""
 
     def __init__(self, redis_url: str, keys: RedisKeys, refresh_s: float = 0.1, timeout_s: float = 0.5,
                  max_age_s: float = 3.0, ids_every: int = 10, share: Callable[[], FlowSeats] | None = None,
@@ -182,6 +184,7 @@ class HeartbeatReader:
         self.redis_url, self.keys = redis_url, keys
         self.refresh_s, self.timeout_s, self.max_age_s, self.ids_every = refresh_s, timeout_s, max_age_s, ids_every
         self.share, self.gateway_id = share, gateway_id
+        self.on_read: Callable[[dict[str, dict[str, int]], float], None] | None = None
         self._loads: list[dict[str, int]] = []
         self._elsewhere = NOWHERE
         self._ids: list[str] = []
@@ -225,9 +228,16 @@ class HeartbeatReader:
         if sharing:
             self._elsewhere = await self._others(answers[-1])
         answers = answers[: len(self._ids)]
-        self._loads = [load for values in answers if (load := parse_heartbeat(values)) is not None]
+        by_id = {rid: load for rid, values in zip(self._ids, answers, strict=True)
+                 if (load := parse_heartbeat(values)) is not None}
+        self._loads = list(by_id.values())
         self.reads += 1
         self.updated_at = time.monotonic()
+        if self.on_read is not None:
+            try:  # its failure must not cost flow control its heartbeats (nor the connection)
+                self.on_read(by_id, self.updated_at)
+            except Exception:
+                log.exception("heartbeat consumer failed")
 
     async def _others(self, entries: dict) -> Elsewhere:
         """The other gateways' FlowSeats summed; entries older than `max_age_s` count for

@@ -5,8 +5,9 @@ defaults for its requests (`slo_ttft_ms`, `slo_tpot_ms` in the key file), and th
 service tier (`AppConfig.slo_ttft_ms` / `slo_tpot_ms`, tier -> ms). Each objective is resolved on
 its own: the header's, else the key's, else the tier's. The gateway measures them
 (gateway/slo_watch.py) and sends them with the request to the router, which routes by them
-(router/slo_policy.py); nothing admits or schedules by them yet (docs/flow-control.md, "Latency
-objectives"). The struct itself is router/protocol/slo.py's: it crosses processes.
+(router/slo_policy.py); the gateway's queue orders and sheds by the TTFT objective
+(gateway/flow/slo_admission.py); no replica sizes its steps by them yet (docs/flow-control.md,
+"Latency objectives"). The struct itself is router/protocol/slo.py's: it crosses processes.
 """
 
 from __future__ import annotations

@@ -84,13 +84,14 @@ ROWS = [
         ("Queue wait p99 by tier", "s", "Time from arrival to being sent to a replica (0 when sent at once).",
          [(q(0.99, "ray_prefixgate_queue_wait_seconds", "tier", M), "{{tier}}")]),
         ("Shed requests by reason", "reqps",
-         "Refused or dropped before reaching a replica: queue_full, max_wait, disconnected, shutdown, rate_limit.",
+         "Refused or dropped before reaching a replica: queue_full, max_wait, disconnected, shutdown, rate_limit, slo "
+         "(a latency objective it could not meet).",
          [(f"sum by (reason) (rate(ray_prefixgate_shed_requests_total{RATE}))", "{{reason}}")]),
     ]),
     ("Latency objectives (docs/flow-control.md)", [
         ("Objectives met, by objective", "percentunit",
          "Requests that met their x-slo-ttft-ms / x-slo-tpot-ms objective (header, API key or tier default) / requests "
-         "that had it; both: had and met both. Routing acts on them (the `slo` policy); the queue does not yet.",
+         "that had it; both: had and met both. Routing acts on them (the `slo` policy), the queue orders and sheds by TTFT.",
          [(f"sum by (objective) (rate(ray_prefixgate_slo_met_total{{{M}}}{RATE})) / "
            f"sum by (objective) (rate(ray_prefixgate_slo_objectives_total{{{M}}}{RATE}))", "{{objective}}")]),
         ("Goodput", "reqps", "Requests per second that met every objective they had, beside all requests with objectives.",
@@ -112,6 +113,11 @@ ROWS = [
          "(violated: the least violation was chosen), or no warm latency model (cold: today's costs chose). "
          "Headroom at decision: prefixgate_route_slo_headroom (docs/metrics.md).",
          [(f"sum by (outcome) (rate(ray_prefixgate_route_slo_decisions_total{RATE}))", "{{outcome}}")]),
+        ("Shed for a TTFT objective", "reqps",
+         "default and flex requests refused with 429 for an x-slo-ttft-ms objective: predicted (no replica's p90 could "
+         "meet it as it was about to be sent) or expired (its deadline passed in the queue). Priority requests are "
+         "never shed for it; slo_shed=false: none.",
+         [(f"sum by (tier, reason) (rate(ray_prefixgate_slo_shed_total{{{M}}}{RATE}))", "{{tier}} {{reason}}")]),
     ]),
     ("Errors and recovery", [
         ("429s (replicas saturated)", "reqps", "",
