@@ -55,9 +55,10 @@ class ModelStep:
             for c in chunks:
                 if c.seq.lora_slot >= 0:
                     self.lora_store.ensure(c.seq.lora_slot, self.adapters[c.seq.adapter])
-        logits = self.runner.run(chunks)  # reorders chunks to its rows' order
-        samplers = [c.seq for c in chunks if c.samples]
-        sampled = self.sampler.sample(logits, samplers)
+        with self.runner.step_threads(chunks):
+            logits = self.runner.run(chunks)  # reorders chunks to its rows' order
+            samplers = [c.seq for c in chunks if c.samples]
+            sampled = self.sampler.sample(logits, samplers)
         entries = [self.token_text.entry(lp) if lp is not None else None for lp in sampled.logprobs]
         return samplers, sampled.token_ids, entries
 

@@ -153,3 +153,50 @@ def test_greedy_output_is_exact_on_each_decode_path_under_preemption(path, tiny_
     assert [done[i] for i in ids] == expected
     assert engine.stats().preemptions > 0
     assert len(engine.runner.inputs.batch) == 0
+
+
+def test_fresh_prompts_of_one_length_attend_as_one_batch():
+    """Prompts with nothing cached are laid out by length; those of one length form one segment
+    whose batched attention equals attending each alone."""
+    inputs = _inputs(cpu_decode=False)
+    blocks = iter(range(64))
+    seqs = {n: _seq(n, int(n[1:]), [next(blocks) for _ in range(4)]) for n in ("a5", "b3", "c5", "d5")}
+    chunks = [ScheduledChunk(seqs["a5"], 0, 5), ScheduledChunk(seqs["b3"], 0, 3), ScheduledChunk(seqs["c5"], 0, 5),
+              ScheduledChunk(_seq("cached", 9, [50, 51, 52]), 4, 9), ScheduledChunk(seqs["d5"], 0, 5)]
+    _, _, meta, sample_rows = inputs.prepare(chunks)
+    assert [c.seq.request_id for c in chunks] == ["b3", "a5", "c5", "d5", "cached"]
+    assert [(s.q_start, s.q_end, s.count) for s in meta.prefills] == [(0, 3, 1), (3, 18, 3), (18, 23, 1)]
+    assert meta.prefills[1].parts() == [(3, 8), (8, 13), (13, 18)]
+    assert sample_rows.tolist() == [2, 7, 12, 17, 22]
+
+    torch.manual_seed(0)
+    t = 23
+    q, k, v = torch.randn(1, 4, t, 8), torch.randn(1, 2, t, 8), torch.randn(1, 2, t, 8)
+    meta.pool = KVPool.allocate(1, 64 * 4, 2, 8, torch.float32, CPU)
+    one_by_one = AttentionMetadata(pool=meta.pool, slot_mapping=meta.slot_mapping, block_size=4, prefills=[
+        PrefillSegment(a, b, s.kv_slots, s.mask) for s in meta.prefills for a, b in s.parts()])
+    outs = []
+    for m in (meta, one_by_one):
+        attention.set_metadata(m)
+        try:
+            outs.append(attention.attend(0, q, k, v, None, None))
+        finally:
+            attention.set_metadata(None)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
+def test_a_small_step_runs_on_one_thread_and_a_large_one_as_it_is(tiny_model_dirs):
+    """The engine's step (forward, lm_head, sampler) on one thread when the model is small for
+    the step's tokens (replica/model/layer_forward.py's rule), the caller's count restored after."""
+    engine = LLMEngine(tiny_model_dirs["qwen3"], block_size=4, num_blocks=30)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with engine.runner.step_threads([ScheduledChunk(_seq("small", 5, [1, 2]), 0, 5)]):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        large = [ScheduledChunk(_seq(f"r{i}", 256, list(range(64))), 0, 256) for i in range(8)]
+        with engine.runner.step_threads(large):  # 2,048 tokens x 64 x 256 >= 2^23
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

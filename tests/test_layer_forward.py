@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 from replica.kernels import attention, cpu_attention
-from replica.model import fused, layer_forward, lora, packed_linear
+from replica.model import fused, layer_forward, packed_linear
 
 FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -103,20 +103,17 @@ def test_paged_models_own_the_layer_loop():
     assert "forward" not in vars(other.model) and "forward" in vars(other.model.layers[1])
 
 
-def test_small_steps_run_their_layers_on_one_thread(monkeypatch):
-    seen = []
-    monkeypatch.setattr(layer_forward, "layer", lambda block, h, rope, mask: seen.append(
-        (torch.get_num_threads(), cpu_attention._ceiling.threads)) or h)
+def test_small_steps_run_on_one_thread():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        model = nn.Module()
-        model.widest_product = 64 * 256
-        assert layer_forward._step_threads(model, torch.zeros(1, 16, 64)) == 2
-        assert layer_forward._step_threads(model, torch.zeros(1, 4096, 64)) is None  # 4096 x 16 k >= 2^23
-        layer_forward._on_one_thread([nn.Module(), nn.Module()], torch.zeros(1, 16, 64), None, 2)
-        assert seen == [(1, 2), (1, 2)]
+        assert layer_forward.step_threads(64 * 256, 16, adapters=False) == 2
+        assert layer_forward.step_threads(64 * 256, 4096, adapters=False) is None  # 4096 x 16 k >= 2^23
+        with layer_forward.one_thread(2):
+            assert (torch.get_num_threads(), cpu_attention._ceiling.threads) == (1, 2)
         assert torch.get_num_threads() == 2 and cpu_attention._ceiling.threads is None
+        with layer_forward.one_thread(None):
+            assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 
@@ -165,13 +162,9 @@ def test_packing_rule():
 
 
 def test_steps_with_adapter_rows_keep_their_threads():
-    model = nn.Module()
-    model.widest_product = 64 * 256
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        lora.set_rows(lora.RowSlots(torch.tensor([0, -1]), 1, {0}))
-        assert layer_forward._step_threads(model, torch.zeros(1, 2, 64)) is None  # MKL's LoRA products: as before
+        assert layer_forward.step_threads(64 * 256, 2, adapters=True) is None  # MKL's LoRA products: as before
     finally:
-        lora.set_rows(None)
         torch.set_num_threads(before)

@@ -39,6 +39,8 @@ CASES = {
     "fp32 decodes only": (dict(shared_blocks=0, shared_decodes=(), prefills=()), "float32", SMALL_TILES, 1e-5),
     "fp32 prefills only": (dict(shared_blocks=0, shared_decodes=(), decodes=(), prefills=((0, 7), (5, 23), (12, 2))),
                            "float32", SMALL_TILES, 1e-5),
+    "fp32 equal fresh prompts batched": (dict(prefills=((0, 7), (5, 23), (0, 7), (0, 7), (0, 3))), "float32", SMALL_TILES,
+                                         1e-5),
 }
 
 

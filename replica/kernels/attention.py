@@ -164,8 +164,12 @@ def _(query, key, value, layer, scaling, window):
 
 def _prefill(q, key, value, k_pool, v_pool, meta: AttentionMetadata, scaling: float | None, out: torch.Tensor) -> None:
     """Each prefill chunk attends over its request's context on its own (SDPA): the new K/V as
-    computed when nothing is cached, else the whole context gathered from the pool."""
+    computed when nothing is cached, else the whole context gathered from the pool. Prompts of
+    one length with nothing cached, side by side (a segment's count), are one batched call."""
     for seg in meta.prefills:
+        if seg.count > 1:
+            _fresh_batch(q, key, value, seg.q_start, seg.q_end, seg.count, scaling, out)
+            continue
         qs = q[:, seg.q_start : seg.q_end].unsqueeze(0)
         if seg.kv_slots is None:
             ks = key[:, :, seg.q_start : seg.q_end]
@@ -177,6 +181,18 @@ def _prefill(q, key, value, k_pool, v_pool, meta: AttentionMetadata, scaling: fl
             qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=True
         )
         out[seg.q_start : seg.q_end] = o[0].transpose(0, 1)
+
+
+def _fresh_batch(q, key, value, start: int, end: int, count: int, scaling: float | None, out: torch.Tensor) -> None:
+    """`count` prompts of equal length in rows [start, end), each causal over its own new K/V:
+    their rows viewed as a batch [count, heads, length, D], no copy."""
+    h, d, kv_heads = q.shape[0], q.shape[2], key.shape[1]
+    n = (end - start) // count
+    qs = q[:, start:end].view(h, count, n, d).transpose(0, 1)
+    ks = key[0, :, start:end].view(kv_heads, count, n, d).transpose(0, 1)
+    vs = value[0, :, start:end].view(kv_heads, count, n, d).transpose(0, 1)
+    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
+    out[start:end].view(count, n, h, d).copy_(o.transpose(1, 2))
 
 
 def _decode(q: torch.Tensor, k_pool, v_pool, meta: AttentionMetadata, scaling: float | None, out: torch.Tensor) -> None:

@@ -33,12 +33,22 @@ class KVPool:
 
 @dataclass
 class PrefillSegment:
-    """Queries rows [q_start, q_end) of one request attending over kv_slots (its whole context)."""
+    """Queries rows [q_start, q_end) of one request attending over kv_slots (its whole context).
+
+    `count` > 1: that many requests' prompts of equal length, side by side, none with a cached
+    prefix (kv_slots None): attended as one batch, each causally over its own new K/V.
+    """
 
     q_start: int
     q_end: int
     kv_slots: torch.Tensor | None  # None: no cached prefix, attend over the new K/V directly
     mask: torch.Tensor | None  # [q, kv] bool, None when plain causal
+    count: int = 1
+
+    def parts(self) -> list[tuple[int, int]]:
+        """Each request's query rows [start, end)."""
+        n = (self.q_end - self.q_start) // self.count
+        return [(self.q_start + i * n, self.q_start + (i + 1) * n) for i in range(self.count)]
 
 
 @dataclass

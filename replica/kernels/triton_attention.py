@@ -208,9 +208,10 @@ def _prefill_plan(meta: AttentionMetadata, block_m: int) -> tuple[torch.Tensor |
         return None, None
     slots, tiles, offset = [], [], 0
     for seg in meta.prefills:
-        s = seg.kv_slots if seg.kv_slots is not None else meta.slot_mapping[seg.q_start : seg.q_end]
-        slots.append(s)
-        tiles += [(m, seg.q_end, offset, s.numel()) for m in range(seg.q_start, seg.q_end, block_m)]
-        offset += s.numel()
+        for q_start, q_end in seg.parts():
+            s = seg.kv_slots if seg.kv_slots is not None else meta.slot_mapping[q_start:q_end]
+            slots.append(s)
+            tiles += [(m, q_end, offset, s.numel()) for m in range(q_start, q_end, block_m)]
+            offset += s.numel()
     device = meta.slot_mapping.device
     return torch.cat(slots).to(torch.int32), torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True)

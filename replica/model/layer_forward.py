@@ -23,8 +23,9 @@ attention with its torch.compile branch) with the sliding-window argument, as fu
 Threads: at the token counts of a thin model's step each matrix product is a few microseconds
 on one thread but ~80 us on two (the OpenMP team's wake-up; under OMP_WAIT_POLICY=PASSIVE and on
 a shared machine), so a step whose widest product is under SMALL_STEP_MACS multiply-adds runs
-its layers on one thread; the C decode kernel still picks its own count up to the caller's
-(replica/kernels/cpu_attention.py). oneDNN's packed products give the same bits on one thread as
+on one thread: its forward, lm_head and sampler (ModelRunner.step_threads; not a compiled
+forward, whose graph is guarded on the thread count);
+the C decode kernel still picks its own count up to the caller's (replica/kernels/cpu_attention.py). oneDNN's packed products give the same bits on one thread as
 on two; MKL's (F.linear, LoRA's products) not always (odd row counts): a step with adapter rows
 keeps the caller's threads, so adapters' outputs stay what they were (tests/test_lora_serve.py
 compares them with PEFT's greedy output).
@@ -32,6 +33,8 @@ compares them with PEFT's greedy output).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -39,7 +42,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from replica.kernels import cpu_attention
-from replica.model import lora
 
 # below this many multiply-adds in the widest product of a layer (tokens x in x out), one thread is
 # faster than two. Measured per call (F.linear, 1 vs 2 threads, OMP_WAIT_POLICY=PASSIVE,
@@ -146,36 +148,32 @@ def model_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None]
     rope = rope_tables(*self.rotary_emb(hidden, position_ids))
     layers = list(self._modules["layers"]._modules.values())[: self.config.num_hidden_layers]
-    threads = _step_threads(self, hidden)
-    if threads is None:
-        for block in layers:
-            hidden = layer(block, hidden, rope, None)
-    else:
-        hidden = _on_one_thread(layers, hidden, rope, threads)
+    for block in layers:
+        hidden = layer(block, hidden, rope, None)
     return BaseModelOutputWithPast(last_hidden_state=_norm(self.norm, hidden))
 
 
-def _step_threads(model: nn.Module, hidden: torch.Tensor) -> int | None:
-    """The caller's thread count if this step's layers should run on one thread instead (see
-    SMALL_STEP_MACS), else None. Not under torch.compile (it cannot trace the switch)."""
-    if torch.compiler.is_compiling() or hidden.device.type != "cpu":
-        return None
-    if getattr(lora._active, "rows", None) is not None:  # adapter rows: their products stay as they were
-        return None
+def step_threads(widest_product: int, tokens: int, adapters: bool) -> int | None:
+    """The caller's thread count if a step of `tokens` tokens through a model whose widest product
+    is `widest_product` (in x out) should run on one thread instead (see SMALL_STEP_MACS), else None.
+    adapters: the step has adapter rows, whose products (MKL's) stay on the caller's threads."""
     threads = torch.get_num_threads()
-    if threads == 1 or hidden.shape[:-1].numel() * model.widest_product >= SMALL_STEP_MACS:
+    if adapters or threads == 1 or tokens * widest_product >= SMALL_STEP_MACS:
         return None
     return threads
 
 
-def _on_one_thread(layers: list[nn.Module], hidden: torch.Tensor, rope: Rope, threads: int) -> torch.Tensor:
-    """The layers on one thread; the decode kernel may still use up to `threads`."""
+@contextmanager
+def one_thread(threads: int | None) -> Iterator[None]:
+    """Run the body on one thread (threads None: as it is); the C decode kernel may still use up
+    to `threads` (its own rule, replica/kernels/cpu_attention.py)."""
+    if threads is None:
+        yield
+        return
     torch.set_num_threads(1)
     cpu_attention.set_thread_ceiling(threads)
     try:
-        for block in layers:
-            hidden = layer(block, hidden, rope, None)
+        yield
     finally:
         cpu_attention.set_thread_ceiling(None)
         torch.set_num_threads(threads)
-    return hidden

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,7 @@ from replica.core.scheduler import ScheduledChunk
 from replica.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from replica.kernels import attention, cpu_attention
 from replica.kernels.attention_metadata import AttentionMetadata, KVPool
-from replica.model import fused, lora, packed_linear
+from replica.model import fused, layer_forward, lora, packed_linear
 from replica.model.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -112,6 +113,18 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's inputs over the persistent batch (StepInputs.prepare); reorders `chunks`."""
         return self.inputs.prepare(chunks)
+
+    def step_threads(self, chunks: list[ScheduledChunk]) -> AbstractContextManager[None]:
+        """Where the step runs: on one thread when it is small for this model (layer_forward's
+        rule: a CPU model whose layers fused.py owns, eager, no adapter rows), else as it is.
+        Covers the forward, lm_head and the sampler's ops (ModelStep). Not the compiled forward:
+        its graph is guarded on the thread count (a switch would compile a second graph)."""
+        widest = getattr(getattr(self.model, "model", None), "widest_product", None)
+        if widest is None or self.device.type != "cpu" or self.compiled is not None:
+            return nullcontext()
+        tokens = sum(c.end - c.start for c in chunks)
+        adapters = self.lora is not None and any(c.seq.lora_slot >= 0 for c in chunks)
+        return layer_forward.one_thread(layer_forward.step_threads(widest, tokens, adapters))
 
     def release(self, request_id: str) -> None:
         """A request left: its row of the persistent batch is free."""

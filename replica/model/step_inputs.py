@@ -1,7 +1,9 @@
 """One step's model inputs and attention metadata, built from the scheduler's chunks over the
 persistent batch (replica/model/input_batch.py).
 
-Single-token chunks at the end of a sequence (decodes) are laid out first, then prefill chunks.
+Single-token chunks at the end of a sequence (decodes) are laid out first, then prefill chunks:
+prompts with nothing cached first, by length, so that those of one length form one segment
+attended as a batch (PrefillSegment.count).
 A decode row's token id, position, pool slot and context length come from its row of the
 persistent block table with array operations; a prefill chunk's from its row the same way, one
 chunk at a time. Which form of the decodes' block tables a step carries follows the attention
@@ -53,7 +55,9 @@ class StepInputs:
         # a one-token chunk in the middle of a prompt (the step's token budget ran out) is a
         # prefill chunk that samples nothing
         decodes = [c for c in chunks if _is_decode(c)]
-        prefills = [c for c in chunks if not _is_decode(c)]
+        # prompts with nothing cached first, by length: those of one length lie side by side and
+        # attend as one batch (a segment's count)
+        prefills = sorted((c for c in chunks if not _is_decode(c)), key=lambda c: (c.start != 0, c.end - c.start))
         use_kernel = self.cpu_decode and attention.default_backend()
         cascades = attention.default_backend() and not use_kernel
         clusters = _prefix_clusters(decodes, bs) if cascades else []
@@ -90,7 +94,12 @@ class StepInputs:
             if c.samples:
                 sample[ns] = t - 1
                 ns += 1
-            segments.append(self._segment(c, row, q_start, t))
+            last = segments[-1] if segments else None
+            if c.start == 0 and last is not None and last.kv_slots is None and last.q_end - last.q_start == \
+                    last.count * (t - q_start):
+                last.q_end, last.count = t, last.count + 1  # one more prompt of that length
+            else:
+                segments.append(self._segment(c, row, q_start, t))
 
         max_context = max(int(ends.max()) if nd else 0, max((c.end for c in prefills), default=0))
         meta = AttentionMetadata(pool=self.pool, slot_mapping=batch.slot_mapping.to_device(t), prefills=segments,
