@@ -18,6 +18,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: all held bound until each is read (free_port called n times can
+    hand the same port out twice, since each is released before the next is asked for)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Whether something already listens on (host, port): a stack refuses to start there rather
     than fail half-way up when Serve cannot bind it."""

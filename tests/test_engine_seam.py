@@ -18,6 +18,7 @@ from replica.backends.sim_spec import SimEngineSettings
 from replica.model.sampler import Sampler
 from replica.serve.replica_settings import ReplicaSettings
 from router.decider import Decider
+from router.latency_model import LatencyModels
 from router.policy import AffinityPullPolicy, ReplicaView, RouteRequest
 from router.protocol.sampling import SamplingParams
 
@@ -91,6 +92,8 @@ def test_decider_reads_kv_pull_from_the_heartbeat():
     d = Decider.__new__(Decider)
 
     class Loads:
+        latency = LatencyModels()  # no samples: no step model, no prediction
+
         def get(self, rid):
             return {"vllm": {"running": 1, "kv_pull": 0}, "ours": {"running": 1, "kv_pull": 1}}.get(rid)
 

@@ -34,7 +34,7 @@ import pytest
 import redis
 import yaml
 
-from gateway.local_redis import free_port
+from gateway.local_redis import free_port, free_ports
 
 pytestmark = pytest.mark.cluster  # `ray up` over SSH on loopback
 
@@ -210,9 +210,9 @@ def test_ray_up_onprem_cluster_serves_chat_with_locked_redis(default_model_dir):
                PATH=f"{BIN}:{env.get('PATH', '/usr/bin:/bin')}")
     ray = str(BIN / "ray")
     cluster_file = workdir / "cluster.yaml"
-    ports = {name: free_port() for name in (
-        "gcs", "redis", "http", "dashboard", "client", "node-manager", "object-manager",
-        "agent-listen", "agent-grpc", "runtime-env", "metrics")}
+    names = ("gcs", "redis", "http", "dashboard", "client", "node-manager", "object-manager",
+             "agent-listen", "agent-grpc", "runtime-env", "metrics")
+    ports = dict(zip(names, free_ports(len(names)), strict=True))  # distinct: Ray refuses a port given twice
     steps: list[str] = []
     t0 = time.monotonic()
 

@@ -10,14 +10,12 @@ test waits on its events (the gateway's /metrics, Ray's export) with hang guards
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import httpx
 import pytest
 import yaml
 from prometheus_client import REGISTRY
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cli import _serve_args, config_from_args
 from gateway.config import AppConfig
@@ -36,6 +34,7 @@ from gateway.flow.tiers import TIERS
 from gateway.slo_watch import SloWatch, judge, tpot_s
 from replica.default_model import DEFAULT_MODEL_NAME
 from tests.helpers.metrics import scrape
+from tests.helpers.slo import ask, metric_sum, samples, until
 from tests.helpers.stack import side_app
 
 
@@ -187,81 +186,58 @@ def slo_app(stack):
         yield url, httpx.get(f"{url}/metrics", timeout=30).text
 
 
-def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    return [(s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
-
-
-def _sum(text: str, name: str, **match: str) -> float:
-    return sum(v for labels, v in _samples(text, name) if all(labels.get(k) == x for k, x in match.items()))
-
-
-def _ask(url: str, key: str, headers: dict[str, str] | None = None, stream: bool = False, **body) -> httpx.Response:
-    payload = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Name three rivers."}],
-               "max_tokens": 8, "ignore_eos": True, "stream": stream, **body}
-    return httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=120,
-                      headers={"authorization": f"Bearer {key}", **(headers or {})})
-
-
-def _until(what: str, check, timeout_s: float = 120.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"never happened: {what}"  # a hang guard, not a timing assertion
-        time.sleep(0.2)
-    return value
-
-
 def _judged(url: str, n: int) -> str:
     """The gateway's /metrics once `n` requests with objectives were judged (a stream is judged as
     its generator closes, after [DONE] went out)."""
     def check() -> str | None:
         text = httpx.get(f"{url}/metrics", timeout=30).text
-        return text if _sum(text, "prefixgate_slo_requests_total") >= n else None
+        return text if metric_sum(text, "prefixgate_slo_requests_total") >= n else None
 
-    return _until(f"{n} requests judged", check)
+    return until(f"{n} requests judged", check)
 
 
 def test_slo_series_are_exported_at_zero_from_start_up(slo_app, stack):
     _, before = slo_app
     for name in ("prefixgate_slo_requests_total", "prefixgate_slo_goodput_requests_total"):
-        seen = {(lb["tenant"], lb["tier"]): v for lb, v in _samples(before, name) if lb["model_name"] == DEFAULT_MODEL_NAME}
+        seen = {(lb["tenant"], lb["tier"]): v for lb, v in samples(before, name) if lb["model_name"] == DEFAULT_MODEL_NAME}
         assert seen == {(t, tier): 0.0 for t in ("latency", "plain") for tier in TIERS}, (name, seen)
     for name in ("prefixgate_slo_met_total", "prefixgate_slo_objectives_total"):
-        objectives = {lb["objective"] for lb, v in _samples(before, name) if v == 0}
+        objectives = {lb["objective"] for lb, v in samples(before, name) if v == 0}
         assert objectives == {"ttft", "tpot", "both"}, (name, objectives)
     # and through Ray's export, which the dashboard reads (Ray exports on an interval)
-    _until("the zeroed SLO counters in Ray's export", lambda: any(
+    until("the zeroed SLO counters in Ray's export", lambda: any(
         labels.get("application") == APP and labels.get("tenant") == "plain"
         for labels, _ in scrape(stack.metrics_port).get("ray_prefixgate_slo_goodput_requests_total", [])))
 
 
 def test_objectives_met_and_missed_are_counted(slo_app):
     url, _ = slo_app
-    bad = _ask(url, "sk-slo", {TTFT_HEADER: "1.5"})
+    bad = ask(url, "sk-slo", {TTFT_HEADER: "1.5"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == TTFT_HEADER, bad.text
-    plain = _ask(url, "sk-plain")  # no objective anywhere: not counted
+    plain = ask(url, "sk-plain")  # no objective anywhere: not counted
     assert plain.status_code == 200, plain.text
-    met = _ask(url, "sk-slo", {TTFT_HEADER: str(MAX_MS), TPOT_HEADER: str(MAX_MS)})  # not streamed: TPOT still counts
+    met = ask(url, "sk-slo", {TTFT_HEADER: str(MAX_MS), TPOT_HEADER: str(MAX_MS)})  # not streamed: TPOT still counts
     assert met.status_code == 200 and met.json()["usage"]["completion_tokens"] == 8, met.text
-    missed = _ask(url, "sk-slo", {TTFT_HEADER: "1", TPOT_HEADER: str(MAX_MS)}, stream=True)
+    missed = ask(url, "sk-slo", {TTFT_HEADER: "1", TPOT_HEADER: str(MAX_MS)}, stream=True)
     assert missed.status_code == 200 and "[DONE]" in missed.text, missed.text
 
     text = _judged(url, 2)
     mine = {"model_name": DEFAULT_MODEL_NAME, "tenant": "latency", "tier": "default"}
-    assert _sum(text, "prefixgate_slo_requests_total") == 2 == _sum(text, "prefixgate_slo_requests_total", **mine)
-    assert _sum(text, "prefixgate_slo_met_total", **mine, objective="ttft") == 1
-    assert _sum(text, "prefixgate_slo_met_total", **mine, objective="tpot") == 2
-    assert _sum(text, "prefixgate_slo_met_total", **mine, objective="both") == 1
-    assert _sum(text, "prefixgate_slo_objectives_total", **mine, objective="both") == 2
-    assert _sum(text, "prefixgate_slo_goodput_requests_total") == 1
-    ratios = {lb["objective"]: v for lb, v in _samples(text, "prefixgate_slo_observed_ratio_count")}
+    assert metric_sum(text, "prefixgate_slo_requests_total") == 2 == metric_sum(text, "prefixgate_slo_requests_total", **mine)
+    assert metric_sum(text, "prefixgate_slo_met_total", **mine, objective="ttft") == 1
+    assert metric_sum(text, "prefixgate_slo_met_total", **mine, objective="tpot") == 2
+    assert metric_sum(text, "prefixgate_slo_met_total", **mine, objective="both") == 1
+    assert metric_sum(text, "prefixgate_slo_objectives_total", **mine, objective="both") == 2
+    assert metric_sum(text, "prefixgate_slo_goodput_requests_total") == 1
+    ratios = {lb["objective"]: v for lb, v in samples(text, "prefixgate_slo_observed_ratio_count")}
     assert ratios == {"ttft": 2, "tpot": 2}, ratios
     # the met one lies within 100x its objective, the missed one beyond (its 200 ms prefill against 1 ms)
-    assert _sum(text, "prefixgate_slo_observed_ratio_bucket", objective="ttft", le="100.0") == 1
+    assert metric_sum(text, "prefixgate_slo_observed_ratio_bucket", objective="ttft", le="100.0") == 1
 
     # the tier's default from the Serve config: a flex request of a key without objectives
-    flex = _ask(url, "sk-plain", service_tier="flex")
+    flex = ask(url, "sk-plain", service_tier="flex")
     assert flex.status_code == 200 and flex.json()["service_tier"] == "flex", flex.text
     text = _judged(url, 3)
-    assert _sum(text, "prefixgate_slo_requests_total", tenant="plain", tier="flex") == 1
-    assert _sum(text, "prefixgate_slo_met_total", tenant="plain", tier="flex", objective="ttft") == 1
-    assert _sum(text, "prefixgate_slo_objectives_total", tenant="plain", tier="flex", objective="tpot") == 0
+    assert metric_sum(text, "prefixgate_slo_requests_total", tenant="plain", tier="flex") == 1
+    assert metric_sum(text, "prefixgate_slo_met_total", tenant="plain", tier="flex", objective="ttft") == 1
+    assert metric_sum(text, "prefixgate_slo_objectives_total", tenant="plain", tier="flex", objective="tpot") == 0

@@ -29,6 +29,7 @@ from gateway.flow.fair_queue import Entry, FairQueue
 from gateway.flow.saturation import Capacity
 from gateway.flow.slo_admission import RETRY_AFTER_MAX_S, Shed, TtftFloor, predicted_shed, refusal
 from router.latency_model import MIN_SAMPLES, LatencyModels
+from tests.helpers.slo import ask, metric_sum, samples, until
 
 PRIORITY, DEFAULT, FLEX = 0, 1, 2
 
@@ -435,30 +436,29 @@ def test_an_objective_no_replica_can_meet_is_shed_on_default_and_served_on_prior
     """Once the gateway's step model of the replica is warm (it learns from requests without
     objectives), a default request with x-slo-ttft-ms: 1 gets a 429 with Retry-After and the
     shed counter rises; the same request on the priority tier is served."""
-    from tests.test_slo import _ask, _samples, _sum, _until
 
     url, before = slo_admission_app
-    zeros = {(lb["tier"], lb["reason"]) for lb, v in _samples(before, "prefixgate_slo_shed_total") if v == 0}
+    zeros = {(lb["tier"], lb["reason"]) for lb, v in samples(before, "prefixgate_slo_shed_total") if v == 0}
     assert zeros == {(t, r) for t in ("default", "flex") for r in ("predicted", "expired")}, zeros
     headers = {"x-slo-ttft-ms": "1"}
 
     def shed() -> httpx.Response | None:
-        warm = _ask(url, "none", max_tokens=16)  # work for the step model to learn from, without objectives
+        warm = ask(url, "none", max_tokens=16)  # work for the step model to learn from, without objectives
         assert warm.status_code == 200, warm.text
-        answer = _ask(url, "none", headers, max_tokens=4)
+        answer = ask(url, "none", headers, max_tokens=4)
         assert answer.status_code in (200, 429), answer.text  # 200 while the model is cold
         return answer if answer.status_code == 429 else None
 
-    refused = _until("a request shed for its objective", shed, timeout_s=300)
+    refused = until("a request shed for its objective", shed, timeout_s=300)
     error = refused.json()["error"]
     assert int(refused.headers["Retry-After"]) >= 1 and error["code"] == "slo_unattainable", refused.text
     assert error["type"] == "rate_limit_error" and "objective of 1 ms" in error["message"], error
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    assert _sum(text, "prefixgate_slo_shed_total", tier="default", reason="predicted") >= 1
-    assert _sum(text, "prefixgate_shed_requests_total", reason="slo") >= 1
-    assert _sum(text, "prefixgate_slo_requests_total", tier="default") >= 1  # judged: missed
+    assert metric_sum(text, "prefixgate_slo_shed_total", tier="default", reason="predicted") >= 1
+    assert metric_sum(text, "prefixgate_shed_requests_total", reason="slo") >= 1
+    assert metric_sum(text, "prefixgate_slo_requests_total", tier="default") >= 1  # judged: missed
 
-    served = _ask(url, "none", headers, max_tokens=4, service_tier="priority")
+    served = ask(url, "none", headers, max_tokens=4, service_tier="priority")
     assert served.status_code == 200 and served.json()["service_tier"] == "priority", served.text
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    assert _sum(text, "prefixgate_slo_shed_total", tier="priority") == 0
+    assert metric_sum(text, "prefixgate_slo_shed_total", tier="priority") == 0

@@ -33,12 +33,13 @@ from router.protocol.messages import (
 from router.protocol.sampling import SamplingParams
 from router.protocol.slo import LatencyPrediction, Objectives
 from router.slo_policy import SloPolicy, violation, with_objectives
+from tests.helpers.slo import ask, metric_sum, until
 
 BS = 16
 TRUE = np.array([0.004, 0.0002, 0.0005, 2e-7, 0.03])  # base, per prefill token, per row, per context token, per start
 
 
-def _samples(rng: np.random.Generator, n: int, noise) -> np.ndarray:
+def samples(rng: np.random.Generator, n: int, noise) -> np.ndarray:
     """Sample rows as the ring buffer holds them: prefill, rows, context, started, seconds, steps."""
     prefill = rng.uniform(0, 2000, n)
     rows = rng.integers(0, 64, n).astype(float)
@@ -52,7 +53,7 @@ def _samples(rng: np.random.Generator, n: int, noise) -> np.ndarray:
 # ---- the model --------------------------------------------------------------------------------
 def test_the_fit_recovers_a_known_linear_step_time():
     rng = np.random.default_rng(0)
-    fit = fit_steps(_samples(rng, 128, lambda n: rng.uniform(-1e-4, 1e-4, n)), budget=2048)
+    fit = fit_steps(samples(rng, 128, lambda n: rng.uniform(-1e-4, 1e-4, n)), budget=2048)
     assert fit is not None and fit.samples == 128
     assert np.allclose(fit.coef, TRUE, rtol=0.05, atol=2e-4), fit.coef
     assert 0 < fit.q <= 1e-4
@@ -64,8 +65,8 @@ def test_the_p90_covers_about_nine_in_ten_held_out_samples():
     seed the calibration third has 200 samples: the coverage's sd is about 0.02)."""
     rng = np.random.default_rng(7)
     noise = lambda n: rng.gamma(2.0, 0.005, n)  # noqa: E731
-    fit = fit_steps(_samples(rng, 600, noise), budget=0)
-    held = _samples(rng, 20_000, noise)
+    fit = fit_steps(samples(rng, 600, noise), budget=0)
+    held = samples(rng, 20_000, noise)
     predicted = np.array([fit.step_s(*row[:4]) for row in held]) + fit.q
     coverage = float((held[:, 4] <= predicted).mean())
     assert 0.85 <= coverage <= 0.95, coverage
@@ -251,7 +252,8 @@ def slo_routing_app(stack, tmp_path_factory):
     audit = tmp_path_factory.mktemp("slo-audit")
     args = {"redis_url": stack.config.redis_url, "key_prefix": f"slor-{uuid.uuid4().hex[:6]}", "engine": "sim",
             "replicas": 2, "num_blocks": 256, "block_size": 16, "max_model_len": 4096, "redis_timeout_s": 1.0,
-            "sim_service": SIM_SERVICE, "audit_dir": str(audit)}
+            "sim_service": SIM_SERVICE, "audit_dir": str(audit),
+            "slo_shed": False}  # routed, not refused: shedding is tests/test_slo_admission.py's
     with side_app(stack, APP, AppConfig.from_dict(args)) as url:
         yield url, audit
 
@@ -261,38 +263,37 @@ def test_a_request_with_objectives_is_routed_by_headroom_live(slo_routing_app):
     are warm: decided by `slo` with the least violation (reason `slo` in the audit), the
     prediction back in the response, and its coverage counted by the gateway."""
     from router.protocol.audit_log import Decision, read_dir
-    from tests.test_slo import _ask, _sum, _until
 
     url, audit = slo_routing_app
     headers = {"x-slo-ttft-ms": "1", "x-slo-tpot-ms": "3600000"}
 
     def routed_by_slo() -> dict | None:
-        _ask(url, "none", max_tokens=16)  # work for the step models to learn from, without objectives
-        answer = _ask(url, "none", headers, max_tokens=4)
+        ask(url, "none", max_tokens=16)  # work for the step models to learn from, without objectives
+        answer = ask(url, "none", headers, max_tokens=4)
         assert answer.status_code == 200, answer.text
         route = answer.json()["prefixgate"]["route"]
         return route if route["policy"] == "slo" and "predicted_ttft_ms" in route else None
 
-    route = _until("a decision by the slo policy with a prediction", routed_by_slo, timeout_s=300)
+    route = until("a decision by the slo policy with a prediction", routed_by_slo, timeout_s=300)
     assert route["reason"] == "slo" and route["predicted_ttft_ms"] > 1
 
     def audited() -> list[Decision]:
         return [r for r in read_dir(audit) if isinstance(r, Decision) and r.route.policy == "slo"
                 and r.route.prediction is not None] or None
 
-    decisions = _until("the slo decision in the routing audit", audited)
+    decisions = until("the slo decision in the routing audit", audited)
     assert {d.route.reason for d in decisions} == {"slo"}
 
     def covered() -> str | None:
         text = httpx.get(f"{url}/metrics", timeout=30).text
-        return text if _sum(text, "prefixgate_slo_predictions_total", objective="ttft") >= 1 else None
+        return text if metric_sum(text, "prefixgate_slo_predictions_total", objective="ttft") >= 1 else None
 
-    text = _until("a prediction judged by the gateway", covered)
+    text = until("a prediction judged by the gateway", covered)
     # a 1 ms objective is missed; whether the p90 covered the TTFT is the model's business: the
     # series exist, covered never exceeds judged
     for objective in ("ttft", "tpot"):
-        judged = _sum(text, "prefixgate_slo_predictions_total", objective=objective)
-        assert 0 <= _sum(text, "prefixgate_slo_prediction_covered_total", objective=objective) <= judged
-    assert _sum(text, "prefixgate_slo_prediction_ratio_count", objective="ttft") >= 1
-    assert _sum(text, "prefixgate_route_slo_decisions_total", outcome="violated") >= 1
-    assert _sum(text, "prefixgate_route_slo_headroom_count", objective="ttft") >= 1
+        judged = metric_sum(text, "prefixgate_slo_predictions_total", objective=objective)
+        assert 0 <= metric_sum(text, "prefixgate_slo_prediction_covered_total", objective=objective) <= judged
+    assert metric_sum(text, "prefixgate_slo_prediction_ratio_count", objective="ttft") >= 1
+    assert metric_sum(text, "prefixgate_route_slo_decisions_total", outcome="violated") >= 1
+    assert metric_sum(text, "prefixgate_route_slo_headroom_count", objective="ttft") >= 1
