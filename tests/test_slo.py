@@ -34,8 +34,8 @@ from gateway.flow.tiers import TIERS
 from gateway.slo_watch import SloWatch, judge, tpot_s
 from replica.default_model import DEFAULT_MODEL_NAME
 from tests.helpers.metrics import scrape
-from tests.helpers.slo import ask, metric_sum, samples, until
-from tests.helpers.stack import side_app
+from tests.helpers.slo import ask, metric_sum, samples
+from tests.helpers.stack import side_app, wait_until
 
 
 # ---- the headers ------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def _judged(url: str, n: int) -> str:
         text = httpx.get(f"{url}/metrics", timeout=30).text
         return text if metric_sum(text, "prefixgate_slo_requests_total") >= n else None
 
-    return until(f"{n} requests judged", check)
+    return wait_until(f"{n} requests judged", check, timeout_s=120)
 
 
 def test_slo_series_are_exported_at_zero_from_start_up(slo_app, stack):
@@ -205,9 +205,10 @@ def test_slo_series_are_exported_at_zero_from_start_up(slo_app, stack):
         objectives = {lb["objective"] for lb, v in samples(before, name) if v == 0}
         assert objectives == {"ttft", "tpot", "both"}, (name, objectives)
     # and through Ray's export, which the dashboard reads (Ray exports on an interval)
-    until("the zeroed SLO counters in Ray's export", lambda: any(
+    wait_until("the zeroed SLO counters in Ray's export", lambda: any(
         labels.get("application") == APP and labels.get("tenant") == "plain"
-        for labels, _ in scrape(stack.metrics_port).get("ray_prefixgate_slo_goodput_requests_total", [])))
+        for labels, _ in scrape(stack.metrics_port).get("ray_prefixgate_slo_goodput_requests_total", [])),
+        timeout_s=120)
 
 
 def test_objectives_met_and_missed_are_counted(slo_app):

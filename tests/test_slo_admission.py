@@ -29,7 +29,8 @@ from gateway.flow.fair_queue import Entry, FairQueue
 from gateway.flow.saturation import Capacity
 from gateway.flow.slo_admission import RETRY_AFTER_MAX_S, Shed, TtftFloor, predicted_shed, refusal
 from router.latency_model import MIN_SAMPLES, LatencyModels
-from tests.helpers.slo import ask, metric_sum, samples, until
+from tests.helpers.slo import ask, metric_sum, samples
+from tests.helpers.stack import wait_until
 
 PRIORITY, DEFAULT, FLEX = 0, 1, 2
 
@@ -449,7 +450,7 @@ def test_an_objective_no_replica_can_meet_is_shed_on_default_and_served_on_prior
         assert answer.status_code in (200, 429), answer.text  # 200 while the model is cold
         return answer if answer.status_code == 429 else None
 
-    refused = until("a request shed for its objective", shed, timeout_s=300)
+    refused = wait_until("a request shed for its objective", shed, timeout_s=300)
     error = refused.json()["error"]
     assert int(refused.headers["Retry-After"]) >= 1 and error["code"] == "slo_unattainable", refused.text
     assert error["type"] == "rate_limit_error" and "objective of 1 ms" in error["message"], error

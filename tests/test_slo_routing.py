@@ -33,7 +33,8 @@ from router.protocol.messages import (
 from router.protocol.sampling import SamplingParams
 from router.protocol.slo import LatencyPrediction, Objectives
 from router.slo_policy import SloPolicy, violation, with_objectives
-from tests.helpers.slo import ask, metric_sum, until
+from tests.helpers.slo import ask, metric_sum
+from tests.helpers.stack import wait_until
 
 BS = 16
 TRUE = np.array([0.004, 0.0002, 0.0005, 2e-7, 0.03])  # base, per prefill token, per row, per context token, per start
@@ -274,21 +275,21 @@ def test_a_request_with_objectives_is_routed_by_headroom_live(slo_routing_app):
         route = answer.json()["prefixgate"]["route"]
         return route if route["policy"] == "slo" and "predicted_ttft_ms" in route else None
 
-    route = until("a decision by the slo policy with a prediction", routed_by_slo, timeout_s=300)
+    route = wait_until("a decision by the slo policy with a prediction", routed_by_slo, timeout_s=300)
     assert route["reason"] == "slo" and route["predicted_ttft_ms"] > 1
 
     def audited() -> list[Decision]:
         return [r for r in read_dir(audit) if isinstance(r, Decision) and r.route.policy == "slo"
                 and r.route.prediction is not None] or None
 
-    decisions = until("the slo decision in the routing audit", audited)
+    decisions = wait_until("the slo decision in the routing audit", audited, timeout_s=120)
     assert {d.route.reason for d in decisions} == {"slo"}
 
     def covered() -> str | None:
         text = httpx.get(f"{url}/metrics", timeout=30).text
         return text if metric_sum(text, "prefixgate_slo_predictions_total", objective="ttft") >= 1 else None
 
-    text = until("a prediction judged by the gateway", covered)
+    text = wait_until("a prediction judged by the gateway", covered, timeout_s=120)
     # a 1 ms objective is missed; whether the p90 covered the TTFT is the model's business: the
     # series exist, covered never exceeds judged
     for objective in ("ttft", "tpot"):

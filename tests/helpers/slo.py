@@ -1,9 +1,7 @@
-"""What the latency-objective tests share: a chat request to a live app, sums of its /metrics
-samples, and a bounded wait on a condition."""
+"""What the latency-objective tests share: a chat request to a live app and sums of its /metrics
+samples (a bounded wait on a condition is tests/helpers/stack.py's wait_until)."""
 
 from __future__ import annotations
-
-import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,12 +25,3 @@ def ask(url: str, key: str, headers: dict[str, str] | None = None, stream: bool 
                "max_tokens": 8, "ignore_eos": True, "stream": stream, **body}
     return httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=120,
                       headers={"authorization": f"Bearer {key}", **(headers or {})})
-
-
-def until(what: str, check, timeout_s: float = 120.0):
-    """check() polled until it returns something true (returned); a hang guard, not a timing assertion."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.2)
-    return value
