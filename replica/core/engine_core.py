@@ -172,6 +172,10 @@ class EngineCore:
         seq = Sequence(request.prompt_token_ids, request.params, seed, request_id=request.request_id)
         seq.adapter = ref.name if ref else None
         seq.priority = request.priority
+        if request.objectives is not None:  # steps are sized to them (replica/core/step_sizing.py)
+            ttft, tpot = request.objectives.ttft_ms, request.objectives.tpot_ms
+            seq.ttft_s = ttft / 1000 if ttft is not None else None
+            seq.tpot_s = tpot / 1000 if tpot is not None else None
         prefix = request.prefix_output_token_ids
         if prefix:
             seq.token_ids.extend(prefix)
@@ -226,9 +230,10 @@ class EngineCore:
                 self.blocks.finish_writeback(ok=failed is None)
         self.scheduler.commit(chunks)
         self._steps += 1
-        self.step_totals.record(time.monotonic() - scheduled, *chunk_shape(chunks), len(admitted))
-        outputs: list[RequestOutput] = []
         now = time.monotonic()
+        self.step_totals.record(now - scheduled, *chunk_shape(chunks), len(admitted))
+        self.scheduler.sizer.learn(self.step_totals, now)  # the step model objectives size steps by
+        outputs: list[RequestOutput] = []
         for seq, token, logprob in zip(samplers, tokens, logprobs, strict=True):
             seq.token_ids.append(token)
             self._generated += 1

@@ -21,16 +21,24 @@ prefills admitted before it nor shares its step with the ones queued behind it (
 prefill and the decodes: the shortest step that serves it). `long_prefill_token_threshold` (vLLM's) caps one
 prefill chunk while sequences wait, so a long prompt leaves part of every step's budget to
 those behind it: a short prompt that arrives during a long prefill starts within one step.
+
+Latency objectives (replica/core/step_sizing.py): while requests with objectives are in the
+engine, each step's prefill tokens are capped so the step's predicted time meets the tightest of
+them, and a request whose TTFT deadline is near goes first among its priority (running prefills
+of its priority yield their step to it, as to a higher priority's head). Without objectives,
+nothing changes.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from replica.core.adapter_slots import AdapterSlots
 from replica.core.sequence import Sequence, Status
+from replica.core.step_sizing import StepSizer
 from replica.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from replica.kvcache.block_manager import BlockManager
 
@@ -55,10 +63,12 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterSlots | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterSlots | None = None,
+                 sizer: StepSizer | None = None) -> None:
         self.config = config
         self.blocks = blocks
         self.adapters = adapters
+        self.sizer = sizer if sizer is not None else StepSizer(config.max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -67,6 +77,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.arrival_seq = next(self._arrivals)
         self._queue(seq)
+        self.sizer.track(seq, seq.arrival_time)
 
     def _queue(self, seq: Sequence) -> None:
         """Into `waiting` at its place in (priority, arrival) order (usually the end: O(1))."""
@@ -76,13 +87,17 @@ class Scheduler:
             pos -= 1
         self.waiting.insert(pos, seq)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int, prefill_left: int) -> int:
         """Tokens of `seq` to compute this step: the rest of its prompt or one decode, within the
         budget; a prompt's chunk capped by the long-prefill threshold while others wait (alone,
-        a long prompt takes the whole budget: the cap only makes room, never idles it)."""
+        a long prompt takes the whole budget: the cap only makes room, never idles it) and by
+        the prefill tokens the step's objectives leave (`prefill_left`; 0: none)."""
         n = min(seq.num_tokens - seq.num_computed, budget)
+        if n == 1 and seq.num_computed >= seq.num_prompt_tokens:
+            return n  # a decode
         cap = self.config.long_prefill_token_threshold
-        return min(n, cap) if cap > 0 and n > 1 and self.waiting else n
+        n = min(n, cap) if cap > 0 and n > 1 and self.waiting else n
+        return min(n, prefill_left)
 
     @property
     def has_work(self) -> bool:
@@ -96,32 +111,45 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         budget = self.config.max_num_batched_tokens
         preempted = False
+        now = time.monotonic()
+        cap = self.sizer.prefill_cap(self.running, now)
+        prefill_left = budget if cap is None else cap  # prefill tokens the objectives leave this step
+        urgent = self.sizer.urgent(now)
+        if urgent is not None:
+            self._first_of_its_priority(urgent)
         # 1. running sequences in (priority, arrival) order: decodes and unfinished prefills; a
-        #    prefill behind the waiting head's priority yields its chunk to that head (step 2)
+        #    prefill behind the waiting head's priority (or of an urgent head's) yields its chunk
+        #    to that head (step 2)
         head = self._admissible_head(budget)
         yielded: tuple[int, int] | None = None  # (priority, arrival) of the first prefill that yielded to the head
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if head is not None and _order(head) < _order(seq) and seq.num_tokens - seq.num_computed > 1:
+            if head is not None and seq.num_tokens - seq.num_computed > 1 and (
+                    _order(head) < _order(seq) or (head is urgent and head.priority <= seq.priority)):
                 yielded = yielded or _order(seq)  # running is in that order: the first is the least
                 i += 1
                 continue
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, prefill_left)
+            if n == 0:  # a prefill the objectives leave no room for this step
+                i += 1
+                continue
             fits, evicted = self._ensure_room(seq, seq.num_computed + n, i)
             preempted = preempted or evicted
             if not fits:
                 continue  # seq itself was preempted; running shrank
             chunks.append(ScheduledChunk(seq, seq.num_computed, seq.num_computed + n))
             budget -= n
+            if n > 1 or seq.num_computed < seq.num_prompt_tokens:
+                prefill_left -= n
             i += 1
         if preempted:
             return chunks
         # 2. admit waiting sequences while the budget, the batch size and the pool allow
         passed: list[Sequence] = []  # waiting for an adapter slot: stay at the head, in order
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and prefill_left > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if yielded is not None and _order(seq) >= yielded:
+            if yielded is not None and seq is not urgent and _order(seq) >= yielded:
                 break  # the step a prefill yielded is the urgent head's: nothing it outranks fills it
             if seq.adapter is not None and (passed or not self.adapters.can_admit(seq.adapter)):
                 passed.append(self.waiting.popleft())  # behind a request waiting for a slot, no
@@ -138,11 +166,23 @@ class Scheduler:
             seq.num_computed = cached
             seq.status = Status.RUNNING
             self._run(seq)
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, prefill_left)
             chunks.append(ScheduledChunk(seq, cached, cached + n))
             budget -= n
+            prefill_left -= n
         self.waiting.extendleft(reversed(passed))
         return chunks
+
+    def _first_of_its_priority(self, seq: Sequence) -> None:
+        """Move waiting `seq` ahead of the others of its priority (an urgent deadline)."""
+        waiting = self.waiting
+        if waiting[0] is seq:
+            return
+        waiting.remove(seq)
+        pos = 0
+        while pos < len(waiting) and waiting[pos].priority < seq.priority:
+            pos += 1
+        waiting.insert(pos, seq)
 
     def _admissible_head(self, budget: int) -> Sequence | None:
         """The waiting sequence step 2 would admit first, if it can be admitted now."""
@@ -198,6 +238,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
+        self.sizer.untrack(seq)
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)

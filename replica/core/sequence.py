@@ -41,6 +41,8 @@ class Sequence:
     priority: int = 0  # vLLM's: lower is scheduled earlier (the gateway maps service tiers onto it)
     arrival_seq: int = 0  # its place in the scheduler's arrival order (set when queued)
     lora_slot: int = -1  # its adapter's batch slot while running (replica/core/adapter_slots.py)
+    ttft_s: float | None = None  # its latency objectives (GenerateRequest.objectives), seconds
+    tpot_s: float | None = None
     detok_state: Any = None  # the detokenizer's incremental state (replica.core.detokenizer.DetokState)
 
     def __post_init__(self) -> None:
