@@ -183,6 +183,47 @@ def test_noisy_neighbour_counts_a_quiet_request_still_decoding_at_the_window_end
     assert decoding.quiet_ttft_ms[0] < silent.quiet_ttft_ms[0]  # its first token, not the window's end
 
 
+def test_noisy_neighbour_quiet_objective_reaches_the_requests():
+    """`--quiet-slo-ttft-ms 150`: the quiet tenant's requests carry `x-slo-ttft-ms: 150` (read here
+    by a real HTTP server that answers each with one token), the flood's none; the row's
+    attainment counts the TTFTs within it over everything sent, refusals as misses."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from loadtest.bench.noisy_neighbour import Row, measure, parse_args
+
+    seen: list[tuple[str, str | None]] = []
+
+    class OneToken(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            seen.append((self.headers["authorization"], self.headers.get("x-slo-ttft-ms")))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.end_headers()
+            event = {"choices": [{"index": 0, "text": "Hi"}], "usage": {"completion_tokens": 1}}
+            self.wfile.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), OneToken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    args = parse_args(["--quiet-slo-ttft-ms", "150", "--duration", "0.5", "--warmup-s", "0", "--flood-streams", "1",
+                       "--think-s", "0.05", "--flood-nice", "0"])
+    try:
+        w = measure(args, f"http://127.0.0.1:{server.server_port}", "m", quiet=True, flood=(4, 2), seed=0)
+    finally:
+        server.shutdown()
+    assert w.quiet_ttft_ms and w.flood_requests
+    assert {slo for key, slo in seen if key == "Bearer sk-quiet"} == {"150"}
+    assert {slo for key, slo in seen if key == "Bearer sk-flood"} == {None}
+    row = Row("on", "long-prompts", 0, 0, 0, 0, 1, 1, {"quiet:slo_unattainable": 1}, [], [100.0, 149.0, 151.0],
+              [], quiet_slo_ttft_ms=150, quiet_refused=1)
+    assert row.slo_attainment == 0.5 and Row("on", "x", 0, 0, 0, 0, 1, 1, {}).slo_attainment is None
+
+
 def test_noisy_neighbour_flood_client_runs_at_the_servers_niceness():
     """`--flood-nice N`: the flood's client process runs at niceness N (default Ray's workers'),
     the quiet client at 0. Empty windows (0 s): the processes start, report, and send nothing."""

@@ -74,10 +74,22 @@ class Row:
     quiet_alone_ttft_ms: list[float] = field(default_factory=list)
     quiet_together_ttft_ms: list[float] = field(default_factory=list)
     quiet_together_sent_s: list[float] = field(default_factory=list)  # each one's send time, s after the flood began
+    quiet_slo_ttft_ms: int | None = None  # the quiet tenant's x-slo-ttft-ms (None: not sent)
+    quiet_refused: int = 0  # quiet requests refused beside the flood (misses of the objective)
 
     @property
     def ttft_ratio(self) -> float:
         return self.quiet_together_p99_ms / max(self.quiet_alone_p99_ms, 1e-9)
+
+    @property
+    def slo_attainment(self) -> float | None:
+        """Quiet requests beside the flood that met their TTFT objective, refusals counted as
+        misses (None: no objective sent)."""
+        if self.quiet_slo_ttft_ms is None:
+            return None
+        sent = len(self.quiet_together_ttft_ms) + self.quiet_refused
+        met = sum(t <= self.quiet_slo_ttft_ms for t in self.quiet_together_ttft_ms)
+        return met / sent if sent else 0.0
 
     @property
     def tok_ratio(self) -> float:
@@ -85,13 +97,14 @@ class Row:
 
 
 async def stream_completion(http: httpx.AsyncClient, url: str, key: str, body: dict, first: list[float] | None = None,
-                            retry_after: list[float] | None = None) -> tuple[float | None, int, str | None]:
+                            retry_after: list[float] | None = None, headers: dict[str, str] | None = None,
+                            ) -> tuple[float | None, int, str | None]:
     """(TTFT s, completion tokens from usage, refusal code) of one streaming completion; the
     TTFT is also appended to `first` as soon as it is known, a refusal's Retry-After (seconds)
-    to `retry_after`."""
+    to `retry_after`. `headers`: sent besides the key (x-slo-ttft-ms)."""
     start = time.perf_counter()
     ttft, tokens = None, 0
-    async with http.stream("POST", url, json=body, headers={"authorization": f"Bearer {key}"}) as r:
+    async with http.stream("POST", url, json=body, headers={"authorization": f"Bearer {key}", **(headers or {})}) as r:
         if r.status_code != 200:
             if retry_after is not None and r.headers.get("retry-after", "").isdigit():
                 retry_after.append(float(r.headers["retry-after"]))
@@ -126,17 +139,19 @@ def completion_body(model: str, prompt_tokens: int, max_tokens: int, rng: random
 async def window(base: str, model: str, seconds: float, quiet: bool, flood: tuple[int, int] | None,
                  flood_streams: int, quiet_prompt: int, quiet_max_tokens: int, think_s: float, seed: int,
                  warmup_s: float = 10.0, flood_tier: str | None = None, quiet_tier: str | None = None,
-                 flood_retry_s: float | None = None) -> Window:
+                 flood_retry_s: float | None = None, quiet_slo_ttft_ms: int | None = None) -> Window:
     """One measured window of `seconds`, after `warmup_s` of the flood alone (its queue fills).
     Flood tokens: requests that completed inside the window. Quiet TTFTs: requests sent inside
     it; one still without a token when the window ends counts its wait so far (a lower bound).
     A refused flood request is retried after the response's Retry-After, as OpenAI's SDK does
-    (`flood_retry_s`: after that many seconds instead, a client that ignores it)."""
+    (`flood_retry_s`: after that many seconds instead, a client that ignores it). Quiet requests
+    carry `x-slo-ttft-ms: quiet_slo_ttft_ms` when it is set."""
     url = f"{base}/v1/completions"
     out = Window(seconds=seconds)
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=flood_streams + 8, max_keepalive_connections=flood_streams + 8)
     warmup = warmup_s
+    quiet_headers = {"x-slo-ttft-ms": str(quiet_slo_ttft_ms)} if quiet_slo_ttft_ms else None
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
         t0 = time.perf_counter()
         begin, end = t0 + warmup, t0 + warmup + seconds
@@ -165,7 +180,8 @@ async def window(base: str, model: str, seconds: float, quiet: bool, flood: tupl
                 sent, first = time.perf_counter(), []
                 pending[n] = (sent, first)
                 try:
-                    _, _, code = await stream_completion(http, url, "sk-quiet", completion_body(model, quiet_prompt, quiet_max_tokens, rng, quiet_tier), first)
+                    _, _, code = await stream_completion(http, url, "sk-quiet", completion_body(model, quiet_prompt, quiet_max_tokens, rng, quiet_tier), first,
+                                                        headers=quiet_headers)
                 finally:
                     if first:
                         pending.pop(n, None)
@@ -199,7 +215,7 @@ def measure(args: argparse.Namespace, base: str, model: str, quiet: bool, flood:
     common = dict(base=base, model=model, seconds=args.duration, flood_streams=args.flood_streams,
                   quiet_prompt=args.quiet_prompt, quiet_max_tokens=args.quiet_max_tokens, think_s=args.think_s,
                   warmup_s=args.warmup_s if flood else 0.0, flood_tier=args.flood_tier, quiet_tier=args.quiet_tier,
-                  flood_retry_s=args.flood_retry_s)
+                  flood_retry_s=args.flood_retry_s, quiet_slo_ttft_ms=args.quiet_slo_ttft_ms)
     roles = []
     if flood:
         roles.append({**common, "quiet": False, "flood": list(flood), "seed": seed})
@@ -241,7 +257,8 @@ def run_mode(args: argparse.Namespace, stack: LocalStack, model: str, mode: str)
                   percentile(together.quiet_ttft_ms, 50) or 0.0, percentile(together.quiet_ttft_ms, 99) or 0.0,
                   flood_alone.flood_tokens / flood_alone.seconds, together.flood_tokens / together.seconds,
                   together.refused, [round(t, 1) for t in alone.quiet_ttft_ms],
-                  [round(t, 1) for t in together.quiet_ttft_ms], together.quiet_sent_s)
+                  [round(t, 1) for t in together.quiet_ttft_ms], together.quiet_sent_s, args.quiet_slo_ttft_ms,
+                  sum(v for k, v in together.refused.items() if k.startswith("quiet:")))
         print(format_rows([row], header=not rows and mode == args.modes[0]), flush=True)
         rows.append(row)
     return rows
@@ -249,13 +266,14 @@ def run_mode(args: argparse.Namespace, stack: LocalStack, model: str, mode: str)
 
 def format_rows(rows: list[Row], header: bool = True) -> str:
     head = (f"{'mode':<5} {'flood shape':<13} {'quiet p50/p99 alone':>20} {'quiet p50/p99 flood':>20} {'p99 x':>6} "
-            f"{'flood tok/s alone':>17} {'with quiet':>10} {'tok %':>6} {'quiet n':>9}  refused")
+            f"{'flood tok/s alone':>17} {'with quiet':>10} {'tok %':>6} {'quiet n':>9} {'met slo':>8}  refused")
     lines = [head] if header else []
     for r in rows:
         lines.append(f"{r.mode:<5} {r.shape:<13} {r.quiet_alone_p50_ms:>8.0f}/{r.quiet_alone_p99_ms:>6.0f} ms "
                      f"{r.quiet_together_p50_ms:>8.0f}/{r.quiet_together_p99_ms:>6.0f} ms {r.ttft_ratio:>5.1f}x "
                      f"{r.flood_alone_tok_s:>17.0f} {r.flood_together_tok_s:>10.0f} {r.tok_ratio:>6.0%} "
-                     f"{len(r.quiet_alone_ttft_ms):>4}/{len(r.quiet_together_ttft_ms):<4}  "
+                     f"{len(r.quiet_alone_ttft_ms):>4}/{len(r.quiet_together_ttft_ms):<4} "
+                     f"{'-' if r.slo_attainment is None else f'{r.slo_attainment:.1%}':>8}  "
                      f"{r.refused_together or '-'}")
     return "\n".join(lines)
 
@@ -278,6 +296,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--flood-retry-s", type=float, default=None,
                    help="a refused flood request is retried after this many seconds (default: the response's "
                         "Retry-After, as OpenAI's SDK does; e.g. 0.05 for a client that ignores it)")
+    p.add_argument("--quiet-slo-ttft-ms", type=int, default=None,
+                   help="the quiet tenant's requests carry x-slo-ttft-ms with this value; the row reports the share "
+                        "beside the flood that met it (refusals count as misses)")
     p.add_argument("--think-s", type=float, default=0.1, help="quiet client's pause between requests")
     p.add_argument("--warmup-s", type=float, default=10.0, help="flood alone before a window is measured")
     p.add_argument("--settle-s", type=float, default=5.0, help="pause after a flood window (its cancelled requests end)")
@@ -328,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.stop()
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump([{**asdict(r), "ttft_ratio": r.ttft_ratio, "tok_ratio": r.tok_ratio} for r in rows], fh, indent=1)
+            json.dump([{**asdict(r), "ttft_ratio": r.ttft_ratio, "tok_ratio": r.tok_ratio,
+                        "slo_attainment": r.slo_attainment} for r in rows], fh, indent=1)
     return 0
 
 
