@@ -234,7 +234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--length-scale", type=float, default=None,
                    help=f"prompt lengths x this (default: 1 on sim, {MODEL_LENGTH_SCALE} on the bundled model)")
     p.add_argument("--calibration-requests", type=int, default=5, help="per class, one at a time: the unloaded p50s")
-    p.add_argument("--calibration-batch", type=int, default=8, help="requests per replica in each class's capacity burst")
+    p.add_argument("--calibration-batch", type=int, default=16, help="requests per replica in each class's capacity burst")
     p.add_argument("--port", type=int, default=8126)
     add_config_option(p, "time_scale=2")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
