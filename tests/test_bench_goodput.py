@@ -140,7 +140,7 @@ def test_attainment_and_goodput_of_a_window():
     chat, rag, batch = s.classes["chat"], s.classes["rag"], s.classes["batch"]
     assert (chat.requests, chat.ttft_met, chat.tpot_met, chat.both_met, chat.refused) == (4, 2, 2, 1, 1)
     assert (rag.requests, rag.both_met, rag.failed, rag.attainment) == (2, 1, 1, 0.5)
-    assert (batch.requests, batch.refused, batch.both_met, batch.attainment) == (2, 1, 0, 0.0)
+    assert (batch.requests, batch.refused, batch.both_met, batch.attainment, batch.ttft_attainment) == (2, 1, 0, None, None)
     assert (s.overall.requests, s.overall.both_met, s.overall.refused, s.overall.failed) == (6, 2, 1, 1)
     assert s.attainment == pytest.approx(2 / 6) and s.overall.ttft_attainment == pytest.approx(3 / 6)
     assert s.overall.tpot_attainment == pytest.approx(3 / 6)

@@ -86,9 +86,10 @@ class ClassResult:
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     tpot_p50_ms: float | None = None
+    judged: bool = True  # False: a class without objectives (its attainments are None)
 
     def share(self, n: int) -> float | None:
-        return n / self.requests if self.requests else None
+        return n / self.requests if self.requests and self.judged else None
 
     @property
     def ttft_attainment(self) -> float | None:
@@ -103,8 +104,8 @@ class ClassResult:
         return self.share(self.both_met)
 
 
-def _class_result(outs: list[Outcome], obj: dict[str, int] | None) -> ClassResult:
-    r = ClassResult(requests=len(outs))
+def _class_result(outs: list[Outcome], obj: dict[str, int] | None, judged: bool | None = None) -> ClassResult:
+    r = ClassResult(requests=len(outs), judged=obj is not None if judged is None else judged)
     done = [o for o in outs if not (o.refused or o.failed) and o.ttft_s is not None]
     for o in outs:
         r.refused += bool(o.refused)
@@ -151,7 +152,7 @@ def score(outcomes: list[Outcome], objs: dict[str, dict[str, int]], rate: float,
     for c in CLASSES:
         out.classes[c.name] = _class_result([o for o in outcomes if o.cls == c.name], objs.get(c.name))
     # the classes with objectives together: their counts, and percentiles over all their requests
-    out.overall = _class_result([o for o in outcomes if BY_NAME[o.cls].has_objectives], None)
+    out.overall = _class_result([o for o in outcomes if BY_NAME[o.cls].has_objectives], None, judged=True)
     with_obj = [out.classes[c.name] for c in CLASSES if c.has_objectives]
     for name in ("ttft_met", "tpot_met", "both_met"):
         setattr(out.overall, name, sum(getattr(r, name) for r in with_obj))
