@@ -242,5 +242,6 @@ class Decider:
             adapter_resident=resident,
             adapter_load_s=load_s,
             context_tokens=hb.get("context_tokens", 0),
+            queued_by_priority=hb.get("queued_by_priority", ""),
             step_fit=self.loads.latency.fit(rid) if hb is not unknown else None,  # no heartbeat: no prediction
         )

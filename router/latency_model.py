@@ -16,7 +16,9 @@ feature yet) is dropped and the rest refitted: a step never gets cheaper with mo
 
 From the fit, for a request on a replica (`predict`):
 
-* TTFT: the work ahead of it there: the pending prefill tokens plus its own uncached ones, cut
+* TTFT: the work ahead of it there: the pending prefill tokens of its priority and better (the
+  heartbeat's queued_by_priority; the replica's scheduler serves lower priority values first),
+  plus its own uncached ones, cut
   in chunks of the step budget less the decode rows (running and waiting requests decode
   beside them), n steps each paying the decode batch and its context, plus each waiting
   request's start and its own. p90: the mean plus n residual quantiles (the error of n steps
@@ -80,15 +82,18 @@ class Prediction:
 
 
 def predict(fit: StepFit, *, uncached: int, prompt_tokens: int, running: int, waiting: int,
-            pending_prefill: int, context: int) -> Prediction:
+            pending_prefill: int, context: int, ahead: tuple[int, int] | None = None) -> Prediction:
     """The request's p90 TTFT and TPOT on a replica whose step model is `fit` and whose load is
-    the rest (its heartbeat's, as the router's view has it)."""
+    the rest (its heartbeat's, as the router's view has it). `ahead`: (requests waiting, prompt
+    tokens not computed) that the request waits for at its priority (redis_schema.queued_ahead;
+    None: all of it); the batch it joins is everyone's."""
     rows = running + waiting
-    work = pending_prefill + uncached
+    waiting_ahead, pending_ahead = ahead if ahead is not None else (waiting, pending_prefill)
+    work = pending_ahead + uncached
     chunk = max(fit.budget - rows, 1) if fit.budget else max(fit.prefill_per_step, 1.0)
     steps = max(math.ceil(work / chunk), 1)
     beside = fit.coef[0] + fit.coef[2] * rows + fit.coef[3] * context  # what every step pays besides prefill
-    ttft = steps * beside + fit.coef[1] * work + fit.coef[4] * (waiting + 1) + steps * fit.q
+    ttft = steps * beside + fit.coef[1] * work + fit.coef[4] * (waiting_ahead + 1) + steps * fit.q
     joined = rows + 1
     prefill = min(fit.prefill_per_step, max(fit.budget - joined, 0)) if fit.budget else fit.prefill_per_step
     tpot = fit.step_s(prefill, joined, context + pending_prefill + prompt_tokens, fit.started_per_step) + fit.q

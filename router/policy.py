@@ -50,6 +50,7 @@ class ReplicaView:
     # requests, and its step model (router/latency_model.py; None: cold, or no fresh heartbeat)
     context_tokens: int = 0
     step_fit: StepFit | None = None
+    queued_by_priority: str = ""  # its heartbeat's breakdown of the work not started (redis_schema.queued_ahead)
 
     @property
     def device_blocks(self) -> int:
@@ -69,6 +70,7 @@ class RouteRequest:
     # (set by pull-aware policies when they decide, read when they commit)
     fleet_matched: int = 0
     objectives: Objectives | None = None  # its latency objectives (router/slo_policy.py routes by them)
+    priority: int = 0  # its scheduling priority on the replica (lower first): the work ahead of it there
 
 
 # Every reason a decision (router/protocol/messages.py `RouteDecision`, what every policy here

@@ -129,7 +129,7 @@ class PrefixGateRouter(RequestRouter):
         session = pending_request.metadata.session_id or req.session_id or None
         hashes = self._hashes(req)
         route = RouteRequest(hashes, len(req.prompt_token_ids), self.block_size, session, self._adapter(req),
-                             objectives=req.objectives)
+                             objectives=req.objectives, priority=req.priority)
         self._calibrate()
         routed = await self._decide(route, by_id)
         self._remember(key, routed)

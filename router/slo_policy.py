@@ -23,6 +23,7 @@ from msgspec.structs import replace
 from router.latency_model import Prediction, predict
 from router.policy import AffinityPolicy, Policy, ReplicaView, RouteRequest
 from router.protocol.messages import RouteDecision
+from router.protocol.redis_schema import queued_ahead
 from router.protocol.slo import LatencyPrediction, Objectives
 
 
@@ -42,8 +43,10 @@ def prediction_of(request: RouteRequest, v: ReplicaView) -> Prediction | None:
     if v.step_fit is None:
         return None
     uncached = max(request.num_prompt_tokens - v.matched_blocks * request.block_size, 0)
+    ahead = queued_ahead({"waiting": v.waiting, "pending_prefill_tokens": v.pending_prefill_tokens,
+                          "queued_by_priority": v.queued_by_priority}, request.priority)
     return predict(v.step_fit, uncached=uncached, prompt_tokens=request.num_prompt_tokens, running=v.running,
-                   waiting=v.waiting, pending_prefill=v.pending_prefill_tokens, context=v.context_tokens)
+                   waiting=v.waiting, pending_prefill=v.pending_prefill_tokens, context=v.context_tokens, ahead=ahead)
 
 
 class SloPolicy(Policy):

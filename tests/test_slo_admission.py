@@ -29,6 +29,7 @@ from gateway.flow.fair_queue import Entry, FairQueue
 from gateway.flow.saturation import Capacity
 from gateway.flow.slo_admission import RETRY_AFTER_MAX_S, Shed, TtftFloor, predicted_shed, refusal
 from router.latency_model import MIN_SAMPLES, LatencyModels
+from router.protocol.redis_schema import queued_ahead, queued_by_priority
 from tests.helpers.slo import ask, metric_sum, samples
 from tests.helpers.stack import wait_until
 
@@ -234,7 +235,7 @@ def test_the_refusal_says_why_in_openais_shape():
     assert late.headers == {"Retry-After": "7"} and "waited 200 ms" in late.body()["error"]["message"]
 
 
-def _heartbeat(totals: list[int], **load: int) -> dict[str, int]:
+def _heartbeat(totals: list[int], **load: int | str) -> dict[str, int | str]:
     names = ("step_count", "step_us", "step_prefill_tokens", "step_rows", "step_context_tokens", "step_started")
     return {**dict(zip(names, totals, strict=True)), "step_token_budget": 512, **load}
 
@@ -271,6 +272,37 @@ def test_the_ttft_floor_is_cold_until_every_replica_is_warm_and_stale_without_re
     assert floor.best_ttft_s() is None  # no read for max_age_s: stale
 
 
+def test_the_floor_of_a_priority_counts_only_the_work_it_waits_for():
+    """A replica whose queue is a flood's (priority 1: default tier, crowded): a request of priority
+    0 (default, within its share) waits for none of it there, so its floor is the busy replica's
+    step alone; priority 1 and a replica that gives no breakdown wait for all of it."""
+    clock = [0.0]
+    floor = TtftFloor(models=LatencyModels(refit_s=0.0), clock=lambda: clock[0])
+    rng = random.Random(4)
+    t = [0] * 6
+    for _ in range(MIN_SAMPLES + 2):
+        steps, prefill = rng.randint(2, 8), rng.randint(0, 400)
+        t = [t[0] + steps, t[1] + steps * (10_000 + 200 * prefill), t[2] + steps * prefill, t[3] + steps * 4, t[4], t[5]]
+        floor.observe({"r": _heartbeat(t, running=4, waiting=20, pending_prefill_tokens=30_000,
+                                       queued_by_priority=queued_by_priority({1: (20, 30_000)}))}, clock[0])
+        clock[0] += 1.0
+    quiet, crowded = floor.best_ttft_s(0), floor.best_ttft_s(1)
+    assert quiet is not None and crowded is not None
+    assert quiet < 0.1 < 5.0 < crowded  # one step of 10 ms, against 30,000 tokens at 0.2 ms
+    assert floor.best_ttft_s(None) == crowded  # behind all the work
+
+
+def test_queued_ahead_reads_the_breakdown_or_falls_back_to_the_totals():
+    text = queued_by_priority({1: (3, 900), -1: (1, 50), 0: (2, 200)})
+    assert text == "-1:1:50 0:2:200 1:3:900"
+    load = {"waiting": 6, "pending_prefill_tokens": 1150 + 64, "queued_by_priority": text}  # 64: a pull's tokens
+    assert queued_ahead(load, -2) == (0, 64)  # the pull's tokens are ahead of everyone
+    assert queued_ahead(load, 0) == (3, 314) and queued_ahead(load, 5) == (6, 1214)
+    assert queued_ahead({"waiting": 6, "pending_prefill_tokens": 1150, "queued_by_priority": ""}, 0) == (6, 1150)
+    with pytest.raises(ValueError):
+        queued_ahead({"queued_by_priority": "0:x"}, 0)
+
+
 # ---- the admission controller ------------------------------------------------------------------------
 def _slo_shed(reason: str, tier: str = "default", tenant: str = "a") -> float:
     labels = {"model_name": "m-slo", "tenant": tenant, "tier": tier, "reason": reason}
@@ -282,9 +314,11 @@ class _Forecast:
 
     def __init__(self, value: float | None) -> None:
         self.value, self.asked = value, 0
+        self.priorities: list[int] = []  # the scheduling priority each ask was for
 
-    def __call__(self) -> float | None:
+    def __call__(self, priority: int) -> float | None:
         self.asked += 1
+        self.priorities.append(priority)
         return self.value
 
 
@@ -311,6 +345,10 @@ def test_a_request_that_cannot_meet_its_objective_is_shed_or_sent_as_its_tier_al
         await flow.acquire(plain)
         assert prio.sent and met.sent and plain.sent and flow.ledger.in_flight == 3
         assert forecast.asked == 3  # once per request with an objective in a sheddable tier
+        # asked for the priority each would run at on the replica (tiers.replica_priority): default
+        # and flex within the tenant's share, then default again once the tenant holds a seat
+        # (its priority request in flight: its share, so crowded)
+        assert forecast.priorities == [0, 2, 1]
         cold = _controller(_Forecast(None))
         await cold.acquire(Ticket("default", "a", 10, 1, 10, ttft_ms=1))  # no prediction: admitted as today
         off = _controller(_Forecast(0.5), slo_shed=False)

@@ -12,11 +12,13 @@ import asyncio
 import random
 import time
 import uuid
+from dataclasses import replace
 
 import httpx
 import numpy as np
 import pytest
 
+from replica.backends.sim_engine import SimEngine, SimEngineConfig
 from router.decider import Decider, InflightPrefixes
 from router.index.redis_index import Lookup, RedisConfig, RedisIndex, ReplicaEntry
 from router.latency_model import MIN_SAMPLES, LatencyModels, StepFit, fit_steps, predict
@@ -30,9 +32,10 @@ from router.protocol.messages import (
     decode_chunk,
     encode_chunk,
 )
+from router.protocol.redis_schema import queued_by_priority
 from router.protocol.sampling import SamplingParams
 from router.protocol.slo import LatencyPrediction, Objectives
-from router.slo_policy import SloPolicy, violation, with_objectives
+from router.slo_policy import SloPolicy, prediction_of, violation, with_objectives
 from tests.helpers.slo import ask, metric_sum
 from tests.helpers.stack import wait_until
 
@@ -113,6 +116,36 @@ def test_a_prediction_grows_with_the_work_ahead():
     assert idle.ttft_s == pytest.approx(0.01 + 0.1 + 0.02 + 0.002)
     busy = predict(fit, uncached=500, prompt_tokens=500, running=20, waiting=4, pending_prefill=3000, context=9000)
     assert busy.ttft_s > idle.ttft_s and busy.tpot_s > idle.tpot_s
+
+
+def test_a_request_waits_only_for_the_work_of_its_priority_and_better():
+    """A replica whose queue is a flood's (priority 1): a request of priority 0 goes ahead of it
+    there (the scheduler's (priority, arrival) order), so its TTFT counts none of that work; the
+    flood's next request counts all of it. The batch either joins is the same."""
+    fit = StepFit((0.01, 0.0002, 0.0005, 0.0, 0.02), q=0.002, prefill_per_step=100.0, started_per_step=0.1,
+                  budget=512, samples=50)
+    view = ReplicaView("r", running=8, waiting=20, pending_prefill_tokens=30_000, queued_by_priority="1:20:30000",
+                       step_fit=fit)
+    quiet = prediction_of(RouteRequest([], 64, BS, priority=0), view)
+    flood = prediction_of(RouteRequest([], 64, BS, priority=1), view)
+    assert quiet.ttft_s < 0.15 < 5.0 < flood.ttft_s and quiet.tpot_s == flood.tpot_s
+    blind = replace(view, queued_by_priority="")  # a replica that gives no breakdown: all of it
+    assert prediction_of(RouteRequest([], 64, BS, priority=0), blind).ttft_s == flood.ttft_s
+
+
+def test_the_engine_reports_its_queue_by_priority():
+    """Our engine core's breakdown (the heartbeat's queued_by_priority), here the sim engine's: after
+    one 64-token step, the priority-0 prompt has run (one decode token left) and the first
+    priority-1 prompt has its first chunk; two more wait."""
+    engine = SimEngine(SimEngineConfig(max_num_batched_tokens=64, time_scale=100.0))
+    for i, (n, priority) in enumerate([(100, 1), (100, 1), (100, 1), (40, 0)]):
+        engine.add(GenerateRequest(prompt_token_ids=[100 * i + k + 1 for k in range(n)],
+                                   params=SamplingParams(max_tokens=4, ignore_eos=True), priority=priority))
+    engine.step()
+    stats = engine.stats()
+    assert stats.queued_by_priority == {0: (0, 1), 1: (2, 276)}
+    assert queued_by_priority(stats.queued_by_priority) == "0:0:1 1:2:276"
+    assert stats.pending_prefill_tokens == 277
 
 
 # ---- the policy -------------------------------------------------------------------------------

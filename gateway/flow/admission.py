@@ -34,7 +34,7 @@ from gateway.errors import APIError
 from gateway.flow.fair_queue import Entry, FairQueue, Flow
 from gateway.flow.saturation import NOWHERE, Capacity, Elsewhere, HeartbeatReader, Ledger, has_room
 from gateway.flow.slo_admission import SHEDDABLE_RANKS, Shed, predicted_shed, refusal
-from gateway.flow.tiers import RANK, TIERS
+from gateway.flow.tiers import RANK, TIERS, replica_priority
 
 log = logging.getLogger("prefixgate.flow")
 TICK_S = 0.05  # while requests wait: expiry and heartbeat changes are looked at this often
@@ -77,7 +77,7 @@ class FlowController:
                  weight: Callable[[Flow], float] | None = None, reader: HeartbeatReader | None = None,
                  label: Callable[[Flow], str] | None = None, tenants: tuple[str, ...] = (),
                  shutting_down: Callable[[], bool] | None = None, enabled: bool = True, model: str = "",
-                 forecast: Callable[[], float | None] | None = None, slo_shed: bool = True) -> None:
+                 forecast: Callable[[int], float | None] | None = None, slo_shed: bool = True) -> None:
         self.capacity, self.max_wait_s, self.replicas = capacity, dict(max_wait_s), replicas
         self.queue = FairQueue(queue_size, weight)
         self.ledger = Ledger()
@@ -212,7 +212,9 @@ class FlowController:
         if not self.slo_shed or ticket.asked or ticket.ttft_ms is None or ticket.tier == "priority":
             return None
         ticket.asked = True
-        predicted = self.forecast() if self.forecast is not None else None
+        # it waits on the replica for the work of its own priority and better only
+        crowded = ticket.flow is not None and self.ledger.over_share(ticket.flow, self.queue.weight, self._elsewhere())
+        predicted = self.forecast(replica_priority(ticket.tier, crowded)) if self.forecast is not None else None
         return predicted_shed(ticket.tier, ticket.ttft_ms, time.monotonic() - ticket.arrival, predicted)
 
     def _slo_refusal(self, shed: Shed, ticket: Ticket) -> APIError:

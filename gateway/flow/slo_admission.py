@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from gateway.errors import APIError
 from gateway.flow.tiers import RANK
 from router.latency_model import LatencyModels, predict
+from router.protocol.redis_schema import queued_ahead
 
 SHEDDABLE = ("default", "flex")  # the tiers shed for an objective they cannot meet (priority waits)
 SHEDDABLE_RANKS = tuple(RANK[t] for t in SHEDDABLE)
@@ -39,17 +40,21 @@ RETRY_AFTER_MAX_S = 60
 MAX_AGE_S = 3.0  # a floor not refreshed for this long (Redis away) is no prediction
 
 
-def ttft_floor_s(models: LatencyModels, loads: Mapping[str, Mapping[str, int | str]]) -> float | None:
-    """The least p90 TTFT over the replicas for a fully cached prompt (seconds); None when there is
-    no replica or any is cold (a cold replica may meet anything: it is not ruled out)."""
+def ttft_floor_s(models: LatencyModels, loads: Mapping[str, Mapping[str, int | str]],
+                 priority: int | None = None) -> float | None:
+    """The least p90 TTFT over the replicas for a fully cached prompt (seconds) of scheduling
+    `priority` (it waits only for the work of its priority and better there: redis_schema's
+    queued_ahead; None: for all of it); None when there is no replica or any is cold (a cold
+    replica may meet anything: it is not ruled out)."""
     best = None
     for rid, load in loads.items():
         fit = models.fit(rid)
         if fit is None:
             return None
+        ahead = queued_ahead(load, priority) if priority is not None else None
         p = predict(fit, uncached=0, prompt_tokens=0, running=int(load.get("running", 0)),
                     waiting=int(load.get("waiting", 0)), pending_prefill=int(load.get("pending_prefill_tokens", 0)),
-                    context=int(load.get("context_tokens", 0)))
+                    context=int(load.get("context_tokens", 0)), ahead=ahead)
         best = p.ttft_s if best is None else min(best, p.ttft_s)
     return best
 
@@ -57,26 +62,31 @@ def ttft_floor_s(models: LatencyModels, loads: Mapping[str, Mapping[str, int | s
 class TtftFloor:
     """One model's step models and TTFT floor, fed by its HeartbeatReader (`observe`, after each
     read). Memory: LatencyModels' (6 KiB a replica); cost: one fit per replica every REFIT_S,
-    and a prediction per replica per read (about 10 a second), none per request."""
+    and a prediction per replica per read and per scheduling priority asked for (six at most:
+    tiers.replica_priority), none per request."""
 
     def __init__(self, max_age_s: float = MAX_AGE_S, models: LatencyModels | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.models = models or LatencyModels()
         self.max_age_s, self.clock = max_age_s, clock
-        self._floor: float | None = None
+        self._loads: Mapping[str, Mapping[str, int | str]] = {}
+        self._floors: dict[int | None, float | None] = {}  # priority -> floor, for the last read
         self._at = -math.inf
 
     def observe(self, loads: Mapping[str, Mapping[str, int | str]], now: float) -> None:
         self.models.observe(loads, now)
         self.models.refit(now)
-        self._floor = ttft_floor_s(self.models, loads)
+        self._loads, self._floors = loads, {}
         self._at = now
 
-    def best_ttft_s(self) -> float | None:
-        """The floor as last read; None when cold or stale."""
+    def best_ttft_s(self, priority: int | None = None) -> float | None:
+        """The floor as last read for a request of scheduling `priority` (None: behind all the
+        work); None when cold or stale."""
         if self.clock() - self._at > self.max_age_s:
             return None
-        return self._floor
+        if priority not in self._floors:
+            self._floors[priority] = ttft_floor_s(self.models, self._loads, priority)
+        return self._floors[priority]
 
 
 @dataclass(frozen=True)

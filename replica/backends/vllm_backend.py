@@ -121,6 +121,15 @@ class _Scheduler:
         self.step_totals.record(at - last, prefill, rows, round(context_tokens), started)
 
 
+def _by_priority(unstarted: list[_InFlight]) -> dict[int, tuple[int, int]]:
+    """The requests without a first token by priority: (count, prompt tokens to compute)."""
+    out: dict[int, tuple[int, int]] = {}
+    for r in unstarted:
+        n, t = out.get(r.priority, (0, 0))
+        out[r.priority] = (n + 1, t + r.prompt_tokens)
+    return out
+
+
 @dataclass
 class _InFlight:
     prompt_tokens: int
@@ -128,6 +137,7 @@ class _InFlight:
     first_token: float | None = None
     handed_off: str | None = None  # hand_off's reason: the stream ends with EngineDeadError
     hashes: list[int] = dataclasses.field(default_factory=list)  # its full blocks (our hashes)
+    priority: int = 0  # the request's (vLLM's scheduling priority)
 
 
 class VllmBackend:
@@ -297,7 +307,7 @@ class VllmBackend:
         held = max(self.translator.leading_held(hashes), self._leading_in_flight(hashes))
         held = min(held * self.facts.block_size, len(full) - 1)
         state = self._inflight[request_id] = _InFlight(prompt_tokens=len(full) - held, arrival=time.monotonic(),
-                                                       hashes=hashes)
+                                                       hashes=hashes, priority=request.priority)
         for h in hashes:
             self._inflight_blocks[h] = self._inflight_blocks.get(h, 0) + 1
         token_ids = list(prefix)
@@ -500,7 +510,7 @@ class VllmBackend:
             pending_prefill_tokens=sum(r.prompt_tokens for r in unstarted), steps=fig.steps,
             generated_tokens=self._generated, lora_resident=list(self._lora_resident), lora_load_s=self._lora_load_s,
             context_tokens=used * f.block_size, step_token_budget=self._step_budget,
-            step_totals=dataclasses.replace(fig.step_totals),
+            step_totals=dataclasses.replace(fig.step_totals), queued_by_priority=_by_priority(unstarted),
         )
 
     def step_progress(self) -> tuple[int, int]:

@@ -325,9 +325,22 @@ class EngineCore:
         """(requests, prompt tokens) admitted but not in the scheduler yet (a modelled pull)."""
         return 0, 0
 
+    def queued_by_priority(self) -> dict[int, tuple[int, int]]:
+        """{priority: (sequences waiting, tokens not computed yet of the waiting and the running)}:
+        the work a new request of each priority waits for (the router's latency model)."""
+        out: dict[int, tuple[int, int]] = {}
+        for seqs, waiting in ((self.scheduler.waiting, 1), (self.scheduler.running, 0)):
+            for s in seqs:
+                left = s.num_tokens - s.num_computed
+                if waiting or left:
+                    n, t = out.get(s.priority, (0, 0))
+                    out[s.priority] = (n + waiting, t + left)
+        return out
+
     def stats(self) -> EngineStats:
         b = self.blocks
         waiting, pending = self.queued_elsewhere()
+        by_priority = self.queued_by_priority()
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting) + waiting,
@@ -339,13 +352,12 @@ class EngineCore:
             blocks_free=b.num_free,
             evictions=b.stats.evictions,
             preemptions=self.scheduler.num_preemptions,
-            pending_prefill_tokens=sum(
-                s.num_tokens - s.num_computed for s in (*self.scheduler.waiting, *self.scheduler.running)
-            ) + pending,
+            pending_prefill_tokens=sum(queued[1] for queued in by_priority.values()) + pending,
             steps=self._steps,
             generated_tokens=self._generated,
             context_tokens=sum(s.num_tokens for s in self.scheduler.running),
             step_token_budget=self.scheduler.config.max_num_batched_tokens,
+            queued_by_priority=by_priority,
             step_totals=dataclasses.replace(self.step_totals),  # a copy: the snapshot outlives this step
             tiers=self.tier_usage(),
             **self._lora_stats(),

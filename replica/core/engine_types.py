@@ -68,6 +68,9 @@ class EngineStats:
     lora_load_s: float = 0.0  # measured: reading one adapter from disk (0: none read yet)
     # for the router's latency model (the Heartbeat's context_tokens, step_token_budget, step_*)
     context_tokens: int = 0  # tokens of the running requests
+    # the work not started yet by priority: {priority: (requests waiting, prompt tokens not
+    # computed)} (the Heartbeat's queued_by_priority; empty: the engine does not say)
+    queued_by_priority: dict[int, tuple[int, int]] = field(default_factory=dict)
     step_token_budget: int = 0  # the most tokens one step schedules (0: unknown)
     step_totals: StepTotals = field(default_factory=StepTotals)
 

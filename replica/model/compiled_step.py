@@ -54,7 +54,7 @@ def cache_dir() -> Path:
 class CompileStats:
     seconds: float = 0.0  # warm-up: trace, compile (or cache load), first runs
     cache_dir: str = ""
-    graphs: int = 0  # graphs compiled by warm_up (1: every size shares one)
+    graphs: int = 0  # graphs compiled by warm_up (one per thread count: every size shares it)
     fx_cache_hits: int = 0
     fx_cache_misses: int = 0
     sizes: list[int] = field(default_factory=list)  # token counts warmed up
@@ -109,11 +109,12 @@ class CompiledForward:
                 self(ids, torch.arange(n, device=ids.device)[None], torch.tensor([n - 1], device=ids.device))
             finally:
                 attention.set_metadata(None)
-        s = self.stats
-        s.seconds, s.sizes = time.perf_counter() - t0, list(sizes)
-        s.fx_cache_hits = counters["inductor"]["fxgraph_cache_hit"] - before[0].get("fxgraph_cache_hit", 0)
-        s.fx_cache_misses = counters["inductor"]["fxgraph_cache_miss"] - before[0].get("fxgraph_cache_miss", 0)
-        s.graphs = counters["stats"]["unique_graphs"] - before[1]
+        s = self.stats  # summed over the warm-ups (one per thread count the steps run on)
+        s.seconds += time.perf_counter() - t0
+        s.sizes += sizes
+        s.fx_cache_hits += counters["inductor"]["fxgraph_cache_hit"] - before[0].get("fxgraph_cache_hit", 0)
+        s.fx_cache_misses += counters["inductor"]["fxgraph_cache_miss"] - before[0].get("fxgraph_cache_miss", 0)
+        s.graphs += counters["stats"]["unique_graphs"] - before[1]
         log.info("compiled forward ready in %.1f s (FX graph cache: %d hits, %d misses, dir %s)",
                  s.seconds, s.fx_cache_hits, s.fx_cache_misses, s.cache_dir)
         return s

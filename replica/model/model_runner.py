@@ -105,6 +105,10 @@ class ModelRunner:
 
             self.compiled = CompiledForward(self.model)
             self.compile_stats = self.compiled.warm_up(self.pool, block_size, WARM_UP_SIZES)
+            small = layer_forward.step_threads(self.widest_product or 0, max(WARM_UP_SIZES), adapters=False)
+            if self.widest_product is not None and small is not None:  # small steps run on one thread
+                with layer_forward.one_thread(small):  # (step_threads): their graph, compiled now
+                    self.compiled.warm_up(self.pool, block_size, WARM_UP_SIZES)
 
     @staticmethod
     def read_shape(model_path: str) -> ModelShape:
@@ -117,14 +121,22 @@ class ModelRunner:
     def step_threads(self, chunks: list[ScheduledChunk]) -> AbstractContextManager[None]:
         """Where the step runs: on one thread when it is small for this model (layer_forward's
         rule: a CPU model whose layers fused.py owns, eager, no adapter rows), else as it is.
-        Covers the forward, lm_head and the sampler's ops (ModelStep). Not the compiled forward:
-        its graph is guarded on the thread count (a switch would compile a second graph)."""
-        widest = getattr(getattr(self.model, "model", None), "widest_product", None)
-        if widest is None or self.device.type != "cpu" or self.compiled is not None:
+        Covers the forward, lm_head and the sampler's ops (ModelStep). The compiled forward's
+        graph is guarded on the thread count: warm_up compiles one for each count it runs on."""
+        widest = self.widest_product
+        if widest is None:
             return nullcontext()
         tokens = sum(c.end - c.start for c in chunks)
         adapters = self.lora is not None and any(c.seq.lora_slot >= 0 for c in chunks)
         return layer_forward.one_thread(layer_forward.step_threads(widest, tokens, adapters))
+
+    @property
+    def widest_product(self) -> int | None:
+        """The widest product (in x out) of a CPU model whose layers layer_forward owns, else None
+        (the one-thread rule does not apply)."""
+        if self.device.type != "cpu":
+            return None
+        return getattr(getattr(self.model, "model", None), "widest_product", None)
 
     def release(self, request_id: str) -> None:
         """A request left: its row of the persistent batch is free."""

@@ -9,7 +9,7 @@ import os
 
 from replica.backends.engine_protocol import EngineBackend
 from replica.kv_io.pull_load import PullLoad, add_pull_load
-from router.protocol.redis_schema import Heartbeat
+from router.protocol.redis_schema import Heartbeat, queued_by_priority
 
 
 def build_heartbeat(backend: EngineBackend, puller: PullLoad | None,
@@ -33,6 +33,7 @@ def build_heartbeat(backend: EngineBackend, puller: PullLoad | None,
         "lora_load_ms": round(s.lora_load_s * 1000),
         "context_tokens": s.context_tokens,
         "step_token_budget": s.step_token_budget,
+        "queued_by_priority": queued_by_priority(s.queued_by_priority),
         **s.step_totals.heartbeat(),  # what the router's latency model learns from
     }
     for medium, tier in s.tiers.items():  # the K/V tiers below the pool

@@ -24,6 +24,7 @@ Only hashes, replica ids and counters are stored: never prompt text.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -65,6 +66,12 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     # requests that started in them
     context_tokens: int = 0
     step_token_budget: int = 0
+    # the work not started yet by its scheduling priority (lower first: gateway/flow/tiers.py
+    # replica_priority), "priority:requests:tokens" entries space-separated, ascending: requests
+    # waiting and prompt tokens not computed yet (waiting and running prefills). A request of
+    # priority p waits only for the entries <= p (`queued_ahead`). "" with work pending: the
+    # engine does not say (the totals above count for every priority)
+    queued_by_priority: str = ""
     step_count: int = 0
     step_us: int = 0
     step_prefill_tokens: int = 0
@@ -115,7 +122,36 @@ INDEX_BUCKETS = 16
 # (docs/vllm.md). A mark outliving an aborted request costs at most one miss.
 INFLIGHT_TTL_S = 20.0
 
-_TEXT_FIELDS = frozenset({"lora_resident"})  # the load fields that are not integers
+_TEXT_FIELDS = frozenset({"lora_resident", "queued_by_priority"})  # the load fields that are not integers
+
+
+def queued_by_priority(queued: Mapping[int, tuple[int, int]]) -> str:
+    """The Heartbeat's queued_by_priority from {priority: (requests waiting, prompt tokens not
+    computed)}."""
+    return " ".join(f"{p}:{n}:{t}" for p, (n, t) in sorted(queued.items()))
+
+
+def queued_ahead(load: Mapping[str, int | str], priority: int) -> tuple[int, int]:
+    """(requests waiting, prompt tokens not computed) that a new request of `priority` waits for
+    on a replica whose heartbeat is `load`: the entries of queued_by_priority at or before its
+    priority (ties: arrival order, so they are ahead), or the totals when the replica does not
+    break them down. A malformed entry is a ValueError."""
+    text = load.get("queued_by_priority") or ""
+    waiting, pending = int(load.get("waiting", 0) or 0), int(load.get("pending_prefill_tokens", 0) or 0)
+    if not text:
+        return waiting, pending
+    n = t = 0
+    for entry in str(text).split():
+        p, requests, tokens = (int(x) for x in entry.split(":"))
+        if p > priority:
+            break
+        n, t = n + requests, t + tokens
+    # work the breakdown does not hold (a pull's tokens counted in the totals) is ahead of everyone
+    return min(n, waiting), t + max(pending - _breakdown_tokens(text), 0)
+
+
+def _breakdown_tokens(text: str) -> int:
+    return sum(int(entry.rsplit(":", 1)[1]) for entry in text.split())
 
 
 def parse_heartbeat(values: list) -> dict[str, int | str] | None:
