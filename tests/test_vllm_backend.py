@@ -105,6 +105,11 @@ def test_vllm_replicas_publish_load_and_blocks_the_router_routes_by(vllm_app):
     assert route["matched_blocks"] >= 3, route
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 3 * BLOCK and cached % BLOCK == 0, again["usage"]
+    # vLLM's step timings reach the heartbeat (what the router's latency model learns from)
+    steps = _eventually(lambda: (hb := client.hgetall(keys.heartbeat(holder))) and int(hb.get("step_count", 0)) >= 2 and hb,
+                        "vLLM's steps in the heartbeat", 30)
+    assert int(steps["step_us"]) > 0 and int(steps["step_prefill_tokens"]) > 0 and int(steps["step_rows"]) > 0, steps
+    assert int(steps["step_token_budget"]) > 0, steps
 
 
 def test_greedy_through_prefixgate_equals_vllm_alone(vllm_app, default_model_dir):
