@@ -158,8 +158,10 @@ def test_crossings_interpolate_between_measured_rates():
     assert crossing(pts, 0.80).rate == pytest.approx(3 + 0.05 / 0.45)
     assert crossing(list(reversed(pts)), 0.90).rate == pytest.approx(2.5)  # any order
     assert crossing(pts, 0.30) == crossing(pts, 0.30).__class__(4.0, "not reached")
-    assert crossing(pts, 1.01).how == "below at the lowest rate" and crossing(pts, 1.01).rate is None
-    assert crossing([(2.0, 0.95), (3.0, 0.99), (4.0, 0.5)], 0.9).rate == pytest.approx(3 + 0.09 / 0.49)  # first fall
+    assert crossing(pts, 1.01).how == "below at every rate" and crossing(pts, 1.01).rate is None
+    assert crossing([(2.0, 0.95), (3.0, 0.99), (4.0, 0.5)], 0.9).rate == pytest.approx(3 + 0.09 / 0.49)
+    # a dip at a lower rate (cold caches at the first step) does not end the hold: the last fall counts
+    assert crossing([(1.0, 0.80), (2.0, 0.95), (3.0, 0.85), (4.0, 0.95), (5.0, 0.45)], 0.9).rate == pytest.approx(4.1)
     assert at_rate(pts, 2.5) == pytest.approx(0.90) and at_rate(pts, 0.5) == 1.0 and at_rate(pts, 5.0) is None
 
 
@@ -179,7 +181,7 @@ def test_summary_figures_on_hand_made_results():
     # default: 90% crossed between 2 (95%) and 3 (70%): 2.2; slo between 4 (92%) and 5 (60%): 4.0625
     assert sm["held_90"]["default"] == {"rate": pytest.approx(2.2), "how": "interpolated"}
     assert sm["held_90"]["slo"]["rate"] == pytest.approx(4 + 0.02 / 0.32)
-    assert sm["held_90"]["least-loaded"] == {"rate": None, "how": "below at the lowest rate"}
+    assert sm["held_90"]["least-loaded"] == {"rate": None, "how": "below at every rate"}
     assert sm["held_90_ratio_slo_default"] == pytest.approx((4 + 0.02 / 0.32) / 2.2)
     # default falls through 80% at 2 + 0.15/0.25 = 2.6; slo there: 1.0 + (0.98 - 1.0) x 0.6
     assert sm["default_80"]["rate"] == pytest.approx(2.6) and sm["default_80"]["how"] == "interpolated"

@@ -17,10 +17,10 @@ Definitions:
 - Attainment (per class, and overall over the classes with objectives): the share of the
   window's requests that met the objective; a refused (429) or failed request met none.
   Goodput = requests that met both objectives / window seconds.
-- Crossing of a threshold T by a mode's attainment of both (rates ascending): the first
-  measured rate whose attainment is under T, interpolated linearly with the rate before it
-  (`interpolated`); `not reached` when every measured rate holds T (the figure is then the
-  highest measured rate, a lower bound); `below at the lowest rate` when the first does not.
+- Crossing of a threshold T by a mode's attainment of both (rates ascending): after the highest
+  measured rate whose attainment holds T, the next measured rate (under T), interpolated
+  linearly between the two (`interpolated`); `not reached` when the highest measured rate holds
+  T (the figure is then that rate, a lower bound); `below at every rate` when none does.
 """
 
 from __future__ import annotations
@@ -162,20 +162,24 @@ def score(outcomes: list[Outcome], objs: dict[str, dict[str, int]], rate: float,
 @dataclass(frozen=True)
 class Crossing:
     rate: float | None
-    how: str  # "interpolated", "not reached" (rate: the highest measured, a lower bound), "below at the lowest rate"
+    how: str  # "interpolated", "not reached" (rate: the highest measured, a lower bound), "below at every rate"
 
 
 def crossing(points: list[tuple[float, float]], threshold: float) -> Crossing:
-    """Where attainment (rate, attainment; any order) first falls under `threshold`."""
+    """Where attainment (rate, attainment; any order) last falls under `threshold`: after the
+    highest measured rate that holds it (a dip at a lower rate, e.g. cold caches at the first
+    step, does not end the hold)."""
     pts = sorted(points)
     if not pts:
         return Crossing(None, "no rates")
-    if pts[0][1] < threshold:
-        return Crossing(None, "below at the lowest rate")
-    for (r0, a0), (r1, a1) in pairwise(pts):
-        if a1 < threshold:
-            return Crossing(r0 + (a0 - threshold) / (a0 - a1) * (r1 - r0), "interpolated")
-    return Crossing(pts[-1][0], "not reached")
+    held = [i for i, (_, a) in enumerate(pts) if a >= threshold]
+    if not held:
+        return Crossing(None, "below at every rate")
+    i = held[-1]
+    if i == len(pts) - 1:
+        return Crossing(pts[-1][0], "not reached")
+    (r0, a0), (r1, a1) = pts[i], pts[i + 1]
+    return Crossing(r0 + (a0 - threshold) / (a0 - a1) * (r1 - r0), "interpolated")
 
 
 def at_rate(points: list[tuple[float, float]], rate: float) -> float | None:
