@@ -1,7 +1,8 @@
 """Steps sized to latency objectives (replica/core/step_sizing.py): the step model learned from the
-engine's own steps, the prefill cap beside a TPOT row and before a TTFT deadline, the urgent
-request first, and nothing changed without objectives. Pure logic on the tensor-free scheduler;
-the last test runs the sim engine (our engine core, modelled compute) with objectives."""
+engine's own steps, the prefill cap beside a row with a TPOT objective (by what it has banked),
+the urgent request first, no cap for TTFT objectives, and nothing changed without objectives.
+Pure logic on the tensor-free scheduler; the last test runs the sim engine (our engine core,
+modelled compute) with objectives."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from replica.backends.sim_engine import SimEngine, SimEngineConfig
 from replica.core.scheduler import Scheduler, SchedulerConfig
 from replica.core.sequence import Sequence
-from replica.core.step_sizing import ANTICIPATE_S, MIN_PREFILL_TOKENS, StepSizer
+from replica.core.step_sizing import MIN_PREFILL_TOKENS, StepSizer
 from replica.core.step_timings import StepTotals
 from replica.kvcache.block_manager import BlockManager
 from router.latency_model import MIN_SAMPLES, StepFit
@@ -116,30 +117,30 @@ def test_an_objective_no_step_can_meet_still_leaves_prefills_a_minimum():
     assert _prefill(_step(sched)) == MIN_PREFILL_TOKENS
 
 
-def test_a_ttft_deadline_caps_the_steps_before_its_first_token():
+def test_a_row_ahead_of_its_objective_lets_a_step_run_longer():
+    """TPOT is the request's mean: a row that has banked time (its tokens came faster than the
+    objective) lets the next step spend it; a row behind gets a step of its objective, never
+    less (prefills are not starved to make it catch up)."""
     sched = _scheduler()
-    long = _seq(600)
-    sched.add(long)
-    waiting = _seq(8, first=10, ttft_ms=100)  # anticipation alone would allow 50 ms: 480 tokens
-    sched.add(waiting)
-    waiting.arrival_time -= 0.080  # 20 ms left: 2 ms + 1 ms + 0.1 ms a token -> 170 tokens
-    cap = sched.sizer.prefill_cap(sched.running, time.monotonic())
-    assert cap is not None and 160 <= cap <= 170
-
-
-def test_a_missed_deadline_caps_nothing_but_a_recent_objective_keeps_steps_under_half():
-    sched = _scheduler()
-    late = _seq(8, first=10, ttft_ms=100)
-    sched.add(late)
-    late.arrival_time -= 1.0  # missed: no cap from its deadline
+    row = _seq(8, first=10, tpot_ms=20)
+    sched.add(row)
+    _step(sched)
+    row.token_ids += [7] * 9  # ten tokens out: nine intervals, ten after the next step
     now = time.monotonic()
-    # half of the recent 100 ms objective: (50 - 2 - 1) ms / 0.1 ms = 470 tokens, over the budget
-    assert sched.sizer.prefill_cap(sched.running, now) == BUDGET
-    sizer = StepSizer(BUDGET)
-    sizer.models.fit = lambda replica_id: FIT
-    sizer.track(_seq(8, ttft_ms=30), now)  # half: 15 ms -> 120 tokens
-    assert sizer.prefill_cap([], now) == 120
-    assert sizer.prefill_cap([], now + ANTICIPATE_S + 1) is None  # forgotten after ANTICIPATE_S
+    row.first_token_time = now - 0.050  # 200 ms allowed for ten intervals, 50 spent: 150 ms banked
+    assert sched.sizer.prefill_cap(sched.running, now) == BUDGET  # (150 - 4) / 0.1 ms: over the budget
+    row.first_token_time = now - 1.0  # behind: a 20 ms step, as for a fresh row
+    assert sched.sizer.prefill_cap(sched.running, now) == 160
+
+
+def test_ttft_objectives_cap_no_step():
+    sched = _scheduler()
+    sched.add(_seq(600))
+    waiting = _seq(8, first=10, ttft_ms=100)
+    sched.add(waiting)
+    waiting.arrival_time -= 0.090  # 10 ms left: urgent, but the step is not cut for it
+    assert sched.sizer.prefill_cap(sched.running, time.monotonic()) is None
+    assert sched.sizer.urgent(time.monotonic()) is waiting
 
 
 def test_an_urgent_request_is_served_first_among_its_priority():

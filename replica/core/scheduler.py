@@ -22,11 +22,10 @@ prefill and the decodes: the shortest step that serves it). `long_prefill_token_
 prefill chunk while sequences wait, so a long prompt leaves part of every step's budget to
 those behind it: a short prompt that arrives during a long prefill starts within one step.
 
-Latency objectives (replica/core/step_sizing.py): while requests with objectives are in the
-engine, each step's prefill tokens are capped so the step's predicted time meets the tightest of
-them, and a request whose TTFT deadline is near goes first among its priority (running prefills
-of its priority yield their step to it, as to a higher priority's head). Without objectives,
-nothing changes.
+Latency objectives (replica/core/step_sizing.py): while rows with TPOT objectives decode, each
+step's prefill tokens are capped so the step keeps them within their objectives, and a request
+whose TTFT deadline is near goes first among its priority (running prefills of its priority
+yield their step to it, as to a higher priority's head). Without objectives, nothing changes.
 """
 
 from __future__ import annotations
@@ -77,7 +76,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.arrival_seq = next(self._arrivals)
         self._queue(seq)
-        self.sizer.track(seq, seq.arrival_time)
+        self.sizer.track(seq)
 
     def _queue(self, seq: Sequence) -> None:
         """Into `waiting` at its place in (priority, arrival) order (usually the end: O(1))."""

@@ -1,25 +1,28 @@
-"""Steps sized to the tightest latency objective they serve (Sarathi-Serve's rule, learned live).
+"""Steps sized to the TPOT objectives of the rows they decode, and urgent deadlines first.
 
-A step in progress cannot be cut; the next one can be sized. While requests with objectives
-(GenerateRequest.objectives: x-slo-ttft-ms / x-slo-tpot-ms) are in the engine, each step's
-prefill tokens are capped so that the step's predicted p90 time stays under
+A step in progress cannot be cut; the next one can be sized. While a row with a TPOT objective
+(GenerateRequest.objectives: x-slo-tpot-ms) decodes, each step's prefill tokens are capped so
+that the step's predicted p90 time keeps that row's mean time per output token within its
+objective: the step may take what the row has banked, `tpot x (intervals after this step) -
+(time since its first token)`, and at least `tpot` (a row already behind is not made to catch up
+by starving prefills; it does not fall further behind). The objective is on the request's mean
+(gateway/slo_watch.py measures TPOT as (last - first) / (tokens - 1)), so a step may run long
+where the rows beside it are ahead (Sarathi-Serve sizes every chunk to the tail instead).
 
-* the tightest TPOT objective among the rows it decodes (a decode row waits for the whole step),
-* the time left to the nearest TTFT deadline of a request that has not had its first token
-  (its arrival in the engine plus its objective), and
-* half the tightest TTFT objective seen in the last `ANTICIPATE_S` seconds: a request that
-  arrives while a step runs waits for that step, then needs one of its own.
+A waiting request with a TTFT objective whose deadline (its arrival in the engine plus the
+objective) is within URGENT_STEPS p90 full steps is urgent: it goes first among its priority,
+and running prefills of its priority yield the step to it, so that step is the decodes and its
+prefill: the shortest step that serves it. TTFT objectives do not cap steps: a cap sized to a
+deadline, or to requests that might arrive, cut the prefill throughput every queued request
+needs (`prefixgate bench goodput`: attainment fell from 69% to 34% at the same rate).
 
 The step's time comes from the engine's own steps: every step feeds the same linear step model
-and split-conformal p90 the router learns from heartbeats (router/latency_model.py), here one
-sample per step. Until that model has `MIN_SAMPLES` steps, or while it has no cost per prefill
-token, nothing is capped. A cap never goes under `MIN_PREFILL_TOKENS`, so prefills always
-progress, and a deadline already missed caps nothing (it cannot be met; the throughput of
-everyone else can). A request whose deadline is near (`urgent`) gets the next step's first
-prefill tokens among the requests of its priority.
+and split-conformal p90 that the router learns from heartbeats (router/latency_model.py), here
+one sample per step. Until that model has MIN_SAMPLES steps, or while it has no cost per prefill
+token, nothing is capped. A cap never goes under MIN_PREFILL_TOKENS, so prefills progress.
 
 Requests without objectives, alone in the engine, are scheduled exactly as without this module:
-`prefill_cap` is None and `urgent` is None, and it costs one dict lookup a step.
+`prefill_cap` and `urgent` are None, at the cost of an empty dict's check per step.
 """
 
 from __future__ import annotations
@@ -31,8 +34,7 @@ from replica.core.sequence import Sequence, Status
 from replica.core.step_timings import StepTotals
 from router.latency_model import LatencyModels, StepFit
 
-MIN_PREFILL_TOKENS = 32  # the smallest prefill a step is cut to: prefills always progress
-ANTICIPATE_S = 10.0  # a TTFT objective seen this recently keeps steps under half of it
+MIN_PREFILL_TOKENS = 32  # the smallest prefill a capped step carries: prefills always progress
 URGENT_STEPS = 2.0  # a request with this many p90 full steps (or fewer) left to its deadline is urgent
 _ENGINE = "engine"  # the one replica the engine's LatencyModels watches: itself
 
@@ -46,17 +48,11 @@ class StepSizer:
         self.budget = budget  # the step's token budget (max_num_batched_tokens)
         self.models = LatencyModels()
         self._tracked: dict[int, Sequence] = {}  # id(seq) -> seq, for requests with objectives
-        self._recent_ttft: tuple[float, float] | None = None  # (tightest TTFT objective s, seen at)
 
     # ---- requests ---------------------------------------------------------------------------
-    def track(self, seq: Sequence, now: float) -> None:
-        if seq.ttft_s is None and seq.tpot_s is None:
-            return
-        self._tracked[id(seq)] = seq
-        if seq.ttft_s is not None:
-            recent = self._recent_ttft
-            if recent is None or seq.ttft_s <= recent[0] or now - recent[1] > ANTICIPATE_S:
-                self._recent_ttft = (seq.ttft_s, now)
+    def track(self, seq: Sequence) -> None:
+        if seq.ttft_s is not None or seq.tpot_s is not None:
+            self._tracked[id(seq)] = seq
 
     def untrack(self, seq: Sequence) -> None:
         self._tracked.pop(id(seq), None)
@@ -94,22 +90,15 @@ class StepSizer:
         return max(min(tokens, self.budget), MIN_PREFILL_TOKENS)
 
     def _limit_s(self, now: float) -> float | None:
-        """The tightest step time the live objectives allow (None: no objective constrains it)."""
+        """The longest next step that keeps every decoding row with a TPOT objective within it on
+        average (None: no such row)."""
         limit = math.inf
-        recent = self._recent_ttft
-        if recent is not None:
-            if now - recent[1] <= ANTICIPATE_S:
-                limit = recent[0] / 2
-            else:
-                self._recent_ttft = None
         for seq in self._tracked.values():
-            if seq.first_token_time is None:
-                if seq.ttft_s is not None:
-                    left = seq.arrival_time + seq.ttft_s - now
-                    if left > 0:  # a missed deadline caps nothing
-                        limit = min(limit, left)
-            elif seq.tpot_s is not None:
-                limit = min(limit, seq.tpot_s)
+            if seq.tpot_s is None or seq.first_token_time is None or seq.status is not Status.RUNNING:
+                continue
+            intervals = seq.num_output_tokens  # after this step: one more token than the first
+            banked = seq.tpot_s * intervals - (now - seq.first_token_time)
+            limit = min(limit, max(banked, seq.tpot_s))
         return None if limit == math.inf else limit
 
     def urgent(self, now: float) -> Sequence | None:
