@@ -82,21 +82,24 @@ class Prediction:
 
 
 def predict(fit: StepFit, *, uncached: int, prompt_tokens: int, running: int, waiting: int,
-            pending_prefill: int, context: int, ahead: tuple[int, int] | None = None) -> Prediction:
+            pending_prefill: int, context: int, ahead: tuple[int, int] | None = None,
+            quantile: bool = True) -> Prediction:
     """The request's p90 TTFT and TPOT on a replica whose step model is `fit` and whose load is
     the rest (its heartbeat's, as the router's view has it). `ahead`: (requests waiting, prompt
     tokens not computed) that the request waits for at its priority (redis_schema.queued_ahead;
-    None: all of it); the batch it joins is everyone's."""
+    None: all of it); the batch it joins is everyone's. quantile False: the mean, without the
+    residual quantiles (what is expected, not what is likely not exceeded)."""
+    q = fit.q if quantile else 0.0
     rows = running + waiting
     waiting_ahead, pending_ahead = ahead if ahead is not None else (waiting, pending_prefill)
     work = pending_ahead + uncached
     chunk = max(fit.budget - rows, 1) if fit.budget else max(fit.prefill_per_step, 1.0)
     steps = max(math.ceil(work / chunk), 1)
     beside = fit.coef[0] + fit.coef[2] * rows + fit.coef[3] * context  # what every step pays besides prefill
-    ttft = steps * beside + fit.coef[1] * work + fit.coef[4] * (waiting_ahead + 1) + steps * fit.q
+    ttft = steps * beside + fit.coef[1] * work + fit.coef[4] * (waiting_ahead + 1) + steps * q
     joined = rows + 1
     prefill = min(fit.prefill_per_step, max(fit.budget - joined, 0)) if fit.budget else fit.prefill_per_step
-    tpot = fit.step_s(prefill, joined, context + pending_prefill + prompt_tokens, fit.started_per_step) + fit.q
+    tpot = fit.step_s(prefill, joined, context + pending_prefill + prompt_tokens, fit.started_per_step) + q
     return Prediction(max(ttft, 0.0), max(tpot, 0.0))
 
 

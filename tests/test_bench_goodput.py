@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from gateway.local_redis import free_port
+from loadtest.bench.goodput import coverage
 from loadtest.bench.goodput_mix import (
     BATCH_PROMPT_TOKENS,
     CLASSES,
@@ -149,6 +150,14 @@ def test_attainment_and_goodput_of_a_window():
     d = s.as_dict()
     assert d["overall"]["attainment"] == pytest.approx(2 / 6) and d["classes"]["rag"]["attainment"] == 0.5
     assert score([], objs, 1.0, 1.0).attainment is None
+    assert d["classes"]["chat"]["refusals"] == {"slo_unattainable": 1}
+    assert d["classes"]["batch"]["refusals"] == {"server_overloaded": 1}
+
+
+def test_coverage_of_a_step_is_the_difference_of_the_gateways_counters():
+    before = {"ttft": (10.0, 9.0), "tpot": (10.0, 8.0)}
+    after = {"ttft": (30.0, 27.0), "tpot": (10.0, 8.0), "new": (4.0, 1.0)}
+    assert coverage(before, after) == {"ttft": pytest.approx(0.9), "tpot": None, "new": 0.25}
 
 
 def test_crossings_interpolate_between_measured_rates():
@@ -262,4 +271,6 @@ def test_a_short_real_run_through_the_cli(tmp_path):
                 for key in ("ttft_attainment", "tpot_attainment", "attainment"):
                     assert part[key] is None or 0 <= part[key] <= 1, (mode, s)
             assert s["goodput"] >= 0
+            for objective, share in s["coverage"].items():  # read from the gateway's /metrics
+                assert objective in ("ttft", "tpot") and (share is None or 0 <= share <= 1), s["coverage"]
     assert set(data["summary"]["held_90"]) == {"slo", "default", "least-loaded"}

@@ -4,7 +4,7 @@ any replica, asked once per request, as the gateway is about to send it; and its
 The prediction is the gateway's own, made from the heartbeats its flow controller already reads
 (saturation.py HeartbeatReader: no round trip of its own): each replica's step model
 (router/latency_model.py, the router's, fitted on the same heartbeats) and its load give the
-p90 TTFT of a request there whose prompt is all cached, the work ahead of it alone (pending
+mean TTFT (the p90 less its residual quantiles) of a request there whose prompt is all cached, the work ahead of it alone (pending
 prefill, waiting requests, the decode batch it would join). The gateway does not look the
 prompt up in the prefix index (the router's round trip, made once the request is sent), so this
 is a lower bound of what the router predicts for the same request on the same heartbeats: the
@@ -42,10 +42,13 @@ MAX_AGE_S = 3.0  # a floor not refreshed for this long (Redis away) is no predic
 
 def ttft_floor_s(models: LatencyModels, loads: Mapping[str, Mapping[str, int | str]],
                  priority: int | None = None) -> float | None:
-    """The least p90 TTFT over the replicas for a fully cached prompt (seconds) of scheduling
+    """The least mean predicted TTFT over the replicas for a fully cached prompt (seconds) of scheduling
     `priority` (it waits only for the work of its priority and better there: redis_schema's
     queued_ahead; None: for all of it); None when there is no replica or any is cold (a cold
-    replica may meet anything: it is not ruled out)."""
+    replica may meet anything: it is not ruled out). The mean, not the p90 the router routes by:
+    a request is shed when it is expected to miss, not when it might (a request whose p90 is over
+    its objective may still meet it most of the time: shedding on the p90 refused requests that
+    would have met theirs)."""
     best = None
     for rid, load in loads.items():
         fit = models.fit(rid)
@@ -54,7 +57,7 @@ def ttft_floor_s(models: LatencyModels, loads: Mapping[str, Mapping[str, int | s
         ahead = queued_ahead(load, priority) if priority is not None else None
         p = predict(fit, uncached=0, prompt_tokens=0, running=int(load.get("running", 0)),
                     waiting=int(load.get("waiting", 0)), pending_prefill=int(load.get("pending_prefill_tokens", 0)),
-                    context=int(load.get("context_tokens", 0)), ahead=ahead)
+                    context=int(load.get("context_tokens", 0)), ahead=ahead, quantile=False)
         best = p.ttft_s if best is None else min(best, p.ttft_s)
     return best
 
@@ -121,7 +124,7 @@ def refusal(shed: Shed, tier: str, retry_after_s: int | None = None) -> APIError
     if shed.reason == "predicted":
         retry = shed.retry_after_s
         why = (f"no replica is predicted to start it within its time-to-first-token objective of {shed.ttft_ms} ms: "
-               f"the best p90 prediction is {shed.predicted_s * 1000:.0f} ms, after {shed.waited_s * 1000:.0f} ms "
+               f"the best predicted time is {shed.predicted_s * 1000:.0f} ms, after {shed.waited_s * 1000:.0f} ms "
                "at the gateway")
     else:
         retry = retry_after_s or 1

@@ -39,6 +39,7 @@ import sys
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import AppConfig
 from gateway.stack import LocalStack
@@ -165,12 +166,36 @@ def run_mode(stack: LocalStack, config: AppConfig, model: str, mix: Mix, mode: s
     steps = []
     for k in range(1, args.max_steps + 1):
         rate = k * 0.1 * cap
+        before = coverage_counts(stack.url)
         outs = asyncio.run(open_loop(url, model, arrivals(mix, rate, args.window, args.seed, k), headers))
         steps.append(score(outs, objs, rate, args.window))
+        steps[-1].coverage = coverage(before, coverage_counts(stack.url))
         print(format_step(mode, steps[-1], header=header and k == 1), flush=True)
         if steps[-1].attainment is not None and steps[-1].attainment < STOP_BELOW:
             break
     return steps
+
+
+def coverage_counts(base: str) -> dict[str, tuple[float, float]]:
+    """The gateway's (predictions, covered) so far per objective (ttft, tpot): how often the
+    router's p90 prediction held what was observed (gateway/slo_watch.py)."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in ("prefixgate_slo_predictions_total", "prefixgate_slo_prediction_covered_total"):
+                pair = out.setdefault(s.labels.get("objective", ""), [0.0, 0.0])
+                pair[s.name == "prefixgate_slo_prediction_covered_total"] += s.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def coverage(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
+    """The p90's coverage per objective over one step: covered / predictions (None: none judged)."""
+    out: dict[str, float | None] = {}
+    for objective, (n, covered) in after.items():
+        n0, c0 = before.get(objective, (0.0, 0.0))
+        out[objective] = (covered - c0) / (n - n0) if n > n0 else None
+    return out
 
 
 def _pct(x: float | None) -> str:
@@ -183,14 +208,15 @@ def _ms(x: float | None) -> str:
 
 def format_step(mode: str, s: StepResult, header: bool = False) -> str:
     head = (f"{'mode':<12} {'rate':>6} {'sent':>5} {'both':>5} {'ttft':>5} {'tpot':>5} {'chat':>5} {'rag':>5} "
-            f"{'goodput':>8} {'chat TTFT p50/p99':>18} {'rag TTFT p50/p99':>17} {'refused':>7} {'failed':>6}")
+            f"{'goodput':>8} {'chat TTFT p50/p99':>18} {'rag TTFT p50/p99':>17} {'refused':>7} {'failed':>6} "
+            f"{'p90 covers ttft/tpot':>20}")
     o, ch, rag = s.overall, s.classes["chat"], s.classes["rag"]
     refused = sum(c.refused for c in s.classes.values())
     failed = sum(c.failed for c in s.classes.values())
     line = (f"{mode:<12} {s.rate:>6.2f} {s.sent:>5} {_pct(o.attainment):>5} {_pct(o.ttft_attainment):>5} "
             f"{_pct(o.tpot_attainment):>5} {_pct(ch.attainment):>5} {_pct(rag.attainment):>5} {s.goodput:>8.2f} "
             f"{_ms(ch.ttft_p50_ms):>9}/{_ms(ch.ttft_p99_ms):<8} {_ms(rag.ttft_p50_ms):>8}/{_ms(rag.ttft_p99_ms):<8} "
-            f"{refused:>7} {failed:>6}")
+            f"{refused:>7} {failed:>6} {_pct(s.coverage.get('ttft')):>11}/{_pct(s.coverage.get('tpot')):<8}")
     return f"{head}\n{line}" if header else line
 
 
@@ -240,19 +266,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     if args.length_scale is None:
-        args.length_scale = 1.0 if args.engine == "sim" else MODEL_LENGTH_SCALE
+        args.length_scale = 1.0 if _modelled(args.engine) else MODEL_LENGTH_SCALE
     if not 0 < args.length_scale <= 1:
         p.error(f"--length-scale must be in (0, 1], got {args.length_scale}")
     return args
+
+
+def _modelled(engine: str) -> bool:
+    """An engine of modelled compute (the sim's pool of blocks, not of a model's memory): the mix
+    as given; a real model's is scaled to what 2 CPU replicas serve."""
+    return engine_spec(engine).default_num_blocks is not None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mix = Mix(args.length_scale)
     # a Redis of its own ('auto'); on sim the context the mix needs (RAG: 4,000 + 128 tokens)
-    base = dict(engine=args.engine, replicas=args.replicas, max_model_len=8192 if args.engine == "sim" else 4096,
+    base = dict(engine=args.engine, replicas=args.replicas, max_model_len=8192 if _modelled(args.engine) else 4096,
                 **{"redis_url": "auto", **config_overrides(args)})
-    if engine_spec(args.engine).default_num_blocks is not None:  # a pool of blocks, not of a model's memory (sim)
+    if _modelled(args.engine):
         base.setdefault("num_blocks", 4096)
     if base["max_model_len"] is not None and mix.longest() > base["max_model_len"]:
         raise SystemExit(f"the mix needs {mix.longest()} tokens of context, max_model_len is {base['max_model_len']}: "

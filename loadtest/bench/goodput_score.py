@@ -83,6 +83,7 @@ class ClassResult:
     both_met: int = 0
     refused: int = 0
     failed: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)  # by error code (slo_unattainable, server_overloaded, ...)
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     tpot_p50_ms: float | None = None
@@ -109,6 +110,8 @@ def _class_result(outs: list[Outcome], obj: dict[str, int] | None, judged: bool 
     done = [o for o in outs if not (o.refused or o.failed) and o.ttft_s is not None]
     for o in outs:
         r.refused += bool(o.refused)
+        if o.refused:
+            r.refusals[o.refused] = r.refusals.get(o.refused, 0) + 1
         r.failed += bool(o.failed)
         if obj is not None:
             ttft, tpot = _met(o, obj["ttft_ms"], obj["tpot_ms"])
@@ -130,6 +133,8 @@ class StepResult:
     sent: int
     classes: dict[str, ClassResult] = field(default_factory=dict)
     overall: ClassResult = field(default_factory=ClassResult)  # the classes with objectives
+    # the router's p90 coverage per objective in the step (gateway metrics; requests with objectives only)
+    coverage: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def goodput(self) -> float:
@@ -144,6 +149,7 @@ class StepResult:
             return {**r.__dict__, "ttft_attainment": r.ttft_attainment, "tpot_attainment": r.tpot_attainment,
                     "attainment": r.attainment}
         return {"rate": self.rate, "window_s": self.window_s, "sent": self.sent, "goodput": self.goodput,
+                "coverage": self.coverage,
                 "overall": one(self.overall), "classes": {k: one(v) for k, v in self.classes.items()}}
 
 
