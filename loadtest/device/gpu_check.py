@@ -71,7 +71,8 @@ class ThroughputResult:
     steps: int
     preemptions: int
     compile_s: float | None = None  # --compile: the compiled forward's start-up (trace, compile or cache load)
-    compiled_graphs: int | None = None
+    compiled_graphs: int | None = None  # one per thread count its steps run on (one on a GPU)
+    threads: int = 0  # torch's intra-op threads (on CPU, small steps run on one: a graph of their own)
 
 
 def throughput(path: str, args: argparse.Namespace) -> ThroughputResult:
@@ -108,6 +109,7 @@ def throughput(path: str, args: argparse.Namespace) -> ThroughputResult:
         preemptions=after.preemptions - before.preemptions,
         compile_s=engine.runner.compile_stats.seconds if engine.runner.compile_stats else None,
         compiled_graphs=engine.runner.compile_stats.graphs if engine.runner.compile_stats else None,
+        threads=torch.get_num_threads(),
     )
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch._dynamo import config as dynamo_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from replica.kernels import attention
@@ -38,6 +39,7 @@ log = logging.getLogger("prefixgate.replica.compile")
 COMPILABLE = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 MIN_TOKENS = 2  # sizes 0 and 1 get specialised graphs of their own: pad a one-token step
 MAX_TOKENS = 1 << 16  # the dynamic dimension needs a bound; far above any step's token budget
+RECOMPILE_LIMIT = 64  # graphs of `_body` one process may hold (dynamo's default: 8)
 
 
 def cache_dir() -> Path:
@@ -72,6 +74,10 @@ class CompiledForward:
         self.base, self.lm_head = model.model, model.lm_head
         self.layers = packed_linear.layers_of(self.base)
         self.stats = CompileStats(cache_dir=directory)
+        # dynamo counts graphs per code object, and every CompiledForward compiles the same
+        # `_body`: a graph per thread count per engine (model, dtype) would reach its default 8
+        # in a process that starts a few engines (the test suite's); a replica has one engine
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         self._compiled = torch.compile(self._body, fullgraph=True)  # static but for the marked token dim
 
     def _body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
