@@ -305,6 +305,19 @@ def test_router_hint_makes_a_real_replica_pull(pull_app):
     try:
         busy = _wait(holder, "the long prompt's first chunk in the index", 120)
         assert busy and not done.is_set(), ("the long prefill ended before the test could route beside it", reply)
+        # the router prices the holder's queue from its heartbeat: wait for a beat that shows
+        # the long prefill still pending, then for the next one (beats every 0.5 s; the router
+        # reads them every 0.1 s), so the decision sees the holder busy. Routing on the index
+        # alone sent the request to the holder ('prefix') in a fresh clone's loaded suite
+        beat = app.keys.heartbeat(busy)
+
+        def pending_beat() -> int | None:
+            hb = app.redis.hgetall(beat)
+            return int(hb.get("step_count", 0)) if int(hb.get("pending_prefill_tokens", 0)) >= 1000 else None
+
+        seen = _wait(pending_beat, "the holder's heartbeat with the long prefill pending", 60)
+        _wait(lambda: (pending_beat() or 0) > seen or done.is_set(), "a later heartbeat with it still pending", 60)
+        assert not done.is_set(), ("the long prefill ended before the test could route beside it", reply)
         r = _complete(app, base + [7], 1)
         other = r.headers["x-prefixgate-replica"]
         assert other != busy and r.headers["x-prefixgate-route"] == "pull", dict(r.headers)
