@@ -140,18 +140,14 @@ def queued_ahead(load: Mapping[str, int | str], priority: int) -> tuple[int, int
     waiting, pending = int(load.get("waiting", 0) or 0), int(load.get("pending_prefill_tokens", 0) or 0)
     if not text:
         return waiting, pending
-    n = t = 0
-    for entry in str(text).split():
+    n = t = total = 0
+    for entry in str(text).split():  # one pass: the entries ahead, and every entry's tokens
         p, requests, tokens = (int(x) for x in entry.split(":"))
-        if p > priority:
-            break
-        n, t = n + requests, t + tokens
+        total += tokens
+        if p <= priority:
+            n, t = n + requests, t + tokens
     # work the breakdown does not hold (a pull's tokens counted in the totals) is ahead of everyone
-    return min(n, waiting), t + max(pending - _breakdown_tokens(text), 0)
-
-
-def _breakdown_tokens(text: str) -> int:
-    return sum(int(entry.rsplit(":", 1)[1]) for entry in text.split())
+    return min(n, waiting), t + max(pending - total, 0)
 
 
 def parse_heartbeat(values: list) -> dict[str, int | str] | None:
