@@ -16,7 +16,9 @@ Where the router decided with a latency model (router/slo_policy.py), its decisi
 p90 TTFT and TPOT it predicted on the chosen replica (`LatencyPrediction`, back in the stream's
 StartChunk); the judged request's observed TTFT, timed from the routing call (the gateway's
 queue is not the replica's to predict), and TPOT are held against it: the
-prefixgate_slo_prediction_* metrics, the model's coverage and error.
+prefixgate_slo_prediction_* metrics, the model's coverage and error. The same observations,
+beside the mean the router predicted, recalibrate the router's p90 for the model's next
+requests (router/latency_calibration.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from gateway import metrics as m
 from gateway.flow.slo import Objectives
+from router.latency_calibration import calibration
 from router.protocol.slo import LatencyPrediction
 
 
@@ -82,10 +85,15 @@ def record(verdict: Verdict | None, objectives: Objectives, model: str, tenant: 
 
 
 def record_prediction(prediction: LatencyPrediction, ttft_s: float | None, tpot_s: float | None, model: str) -> None:
-    """Observed latencies (seconds; None: not observed) against the router's p90 (ms)."""
-    for objective, seen, predicted in (("ttft", ttft_s, prediction.ttft_ms), ("tpot", tpot_s, prediction.tpot_ms)):
+    """Observed latencies (seconds; None: not observed) against the router's p90 (ms), and fed
+    back, beside its mean, to the calibration the router's next p90s come from."""
+    fed = calibration(model)
+    for objective, seen, predicted, mean in (("ttft", ttft_s, prediction.ttft_ms, prediction.ttft_mean_ms),
+                                             ("tpot", tpot_s, prediction.tpot_ms, prediction.tpot_mean_ms)):
         if seen is None:
             continue
+        if mean > 0:
+            fed.observe(objective, mean / 1000, seen)
         m.SLO_PREDICTIONS.labels(model, objective).inc()
         if seen * 1000 <= predicted:
             m.SLO_COVERED.labels(model, objective).inc()

@@ -75,10 +75,13 @@ class StepFit:
 
 @dataclass(frozen=True)
 class Prediction:
-    """p90 seconds to the first token and per output token after it."""
+    """p90 seconds to the first token and per output token after it, and the means they bound
+    (what router/latency_calibration.py recalibrates the p90 from)."""
 
     ttft_s: float
     tpot_s: float
+    ttft_mean_s: float = 0.0
+    tpot_mean_s: float = 0.0
 
 
 def predict(fit: StepFit, *, uncached: int, prompt_tokens: int, running: int, waiting: int,
@@ -96,11 +99,12 @@ def predict(fit: StepFit, *, uncached: int, prompt_tokens: int, running: int, wa
     chunk = max(fit.budget - rows, 1) if fit.budget else max(fit.prefill_per_step, 1.0)
     steps = max(math.ceil(work / chunk), 1)
     beside = fit.coef[0] + fit.coef[2] * rows + fit.coef[3] * context  # what every step pays besides prefill
-    ttft = steps * beside + fit.coef[1] * work + fit.coef[4] * (waiting_ahead + 1) + steps * q
+    ttft_mean = steps * beside + fit.coef[1] * work + fit.coef[4] * (waiting_ahead + 1)
     joined = rows + 1
     prefill = min(fit.prefill_per_step, max(fit.budget - joined, 0)) if fit.budget else fit.prefill_per_step
-    tpot = fit.step_s(prefill, joined, context + pending_prefill + prompt_tokens, fit.started_per_step) + q
-    return Prediction(max(ttft, 0.0), max(tpot, 0.0))
+    tpot_mean = fit.step_s(prefill, joined, context + pending_prefill + prompt_tokens, fit.started_per_step)
+    ttft_mean, tpot_mean = max(ttft_mean, 0.0), max(tpot_mean, 0.0)
+    return Prediction(max(ttft_mean + steps * q, 0.0), max(tpot_mean + q, 0.0), ttft_mean, tpot_mean)
 
 
 def fit_steps(samples: np.ndarray, budget: int) -> StepFit | None:

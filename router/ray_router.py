@@ -35,6 +35,7 @@ from ray.serve.request_router import (
 
 from router.decider import STALE_MEMORY_S, Decider, InflightPrefixes, Routed, SessionMemory
 from router.index.redis_index import IndexUnavailable, RedisConfig, RedisIndex
+from router.latency_calibration import calibration
 from router.load_table import LoadTable
 from router.metrics import record_slo, router_metrics
 from router.policy import ReplicaView, RouteRequest, make_policy
@@ -63,8 +64,9 @@ class PrefixGateRouter(RequestRouter):
         self.policy = make_policy(o.policy, seed=o.seed, **o.policy_options)
         self.policy_name = self.policy.name  # canonical, as the policy names its decisions
         # requests with latency objectives: routed by headroom where the policy is an affinity
-        # one, the default among them (router/slo_policy.py); any other policy ignores them
-        self.policy = with_objectives(self.policy)
+        # one, the default among them (router/slo_policy.py); any other policy ignores them. Its
+        # p90 is recalibrated on what this process's gateway observes of the model's requests
+        self.policy = with_objectives(self.policy, calibration(o.model_id))
         self.fallback = make_policy("session", seed=o.seed)
         self.model_id = o.model_id
         self.block_size = o.block_size

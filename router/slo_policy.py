@@ -10,16 +10,22 @@ wins (the largest of predicted / objective - 1 over the two objectives; ties by 
 With no prediction anywhere (no step model warm, heartbeats stale, Redis away) it decides
 exactly as today's policy. A request without objectives is today's policy's, untouched.
 
-The decision names this policy (`slo`) and carries the chosen replica's prediction, which the
-gateway compares with what it observes (prefixgate_slo_prediction_*). Its reason is `slo` where
+The p90 is the step model's until the gateway has observed enough of the model's requests, then
+the step model's mean with an end-to-end conformal bound on those observations
+(router/latency_calibration.py). The decision names this policy (`slo`) and carries the chosen
+replica's prediction, p90 and mean, which the gateway compares with what it observes
+(prefixgate_slo_prediction_*) and feeds back. Its reason is `slo` where
 the objectives changed the choice (today's policy would have sent the request to a replica
 predicted to miss) or none could meet them; otherwise today's reason (prefix, session, load, pull).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from msgspec.structs import replace
 
+from router.latency_calibration import Calibration
 from router.latency_model import Prediction, predict
 from router.policy import AffinityPolicy, Policy, ReplicaView, RouteRequest
 from router.protocol.messages import RouteDecision
@@ -38,15 +44,20 @@ def violation(p: Prediction, objectives: Objectives) -> float:
     return worst
 
 
-def prediction_of(request: RouteRequest, v: ReplicaView) -> Prediction | None:
-    """The request's p90 TTFT and TPOT on `v`; None without a warm step model there."""
+def prediction_of(request: RouteRequest, v: ReplicaView, calibration: Calibration | None = None) -> Prediction | None:
+    """The request's p90 TTFT and TPOT on `v`, recalibrated on the gateway's observations where
+    `calibration` has enough of them; None without a warm step model there."""
     if v.step_fit is None:
         return None
     uncached = max(request.num_prompt_tokens - v.matched_blocks * request.block_size, 0)
     ahead = queued_ahead({"waiting": v.waiting, "pending_prefill_tokens": v.pending_prefill_tokens,
                           "queued_by_priority": v.queued_by_priority}, request.priority)
-    return predict(v.step_fit, uncached=uncached, prompt_tokens=request.num_prompt_tokens, running=v.running,
-                   waiting=v.waiting, pending_prefill=v.pending_prefill_tokens, context=v.context_tokens, ahead=ahead)
+    p = predict(v.step_fit, uncached=uncached, prompt_tokens=request.num_prompt_tokens, running=v.running,
+                waiting=v.waiting, pending_prefill=v.pending_prefill_tokens, context=v.context_tokens, ahead=ahead)
+    if calibration is None:
+        return p
+    return dataclasses.replace(p, ttft_s=calibration.p90("ttft", p.ttft_mean_s, p.ttft_s),
+                               tpot_s=calibration.p90("tpot", p.tpot_mean_s, p.tpot_s))
 
 
 class SloPolicy(Policy):
@@ -55,8 +66,9 @@ class SloPolicy(Policy):
 
     name = "slo"
 
-    def __init__(self, base: AffinityPolicy) -> None:
+    def __init__(self, base: AffinityPolicy, calibration: Calibration | None = None) -> None:
         self.base = base
+        self.calibration = calibration  # the gateway's observations of this model (None: the step model's p90)
         self.rng = base.rng
         self.needs_all_replicas = base.needs_all_replicas
 
@@ -64,7 +76,7 @@ class SloPolicy(Policy):
         objectives = request.objectives
         if objectives is None or not objectives.any:
             return self.base.decide(request, replicas, session_replica)
-        predicted = {v.replica_id: prediction_of(request, v) for v in replicas}
+        predicted = {v.replica_id: prediction_of(request, v, self.calibration) for v in replicas}
         if all(p is None for p in predicted.values()):
             return self.base.decide(request, replicas, session_replica)  # cold everywhere: today's
         misses = {rid: violation(p, objectives) for rid, p in predicted.items() if p is not None}
@@ -84,7 +96,9 @@ class SloPolicy(Policy):
             decision = self.base.decide_among(request, replicas, None, {best.replica_id})
             decision = replace(decision, reason="slo")
         p = predicted[decision.replica_id]
-        seen = LatencyPrediction(p.ttft_s * 1000, p.tpot_s * 1000) if p is not None else None
+        calibrated = self.calibration is not None and self.calibration.ready("ttft")
+        seen = LatencyPrediction(p.ttft_s * 1000, p.tpot_s * 1000, p.ttft_mean_s * 1000, p.tpot_mean_s * 1000,
+                                 calibrated) if p is not None else None
         return replace(decision, policy=self.name, prediction=seen)
 
     # everything else is today's policy's
@@ -104,7 +118,7 @@ class SloPolicy(Policy):
         self.base.calibrate(**rates)
 
 
-def with_objectives(policy: Policy) -> Policy:
+def with_objectives(policy: Policy, calibration: Calibration | None = None) -> Policy:
     """`policy` routing requests with objectives by headroom: the affinity policies (the default
     among them) wrapped in SloPolicy; any other (the cache-blind and hashing baselines) as it is."""
-    return SloPolicy(policy) if isinstance(policy, AffinityPolicy) else policy
+    return SloPolicy(policy, calibration) if isinstance(policy, AffinityPolicy) else policy

@@ -331,3 +331,27 @@ def test_a_request_with_objectives_is_routed_by_headroom_live(slo_routing_app):
     assert metric_sum(text, "prefixgate_slo_prediction_ratio_count", objective="ttft") >= 1
     assert metric_sum(text, "prefixgate_route_slo_decisions_total", outcome="violated") >= 1
     assert metric_sum(text, "prefixgate_route_slo_headroom_count", objective="ttft") >= 1
+
+
+def test_the_gateways_observations_recalibrate_the_routers_p90_live(slo_routing_app):
+    """The loop across the real process layout: the gateway judges each request with objectives
+    against the decision's prediction and feeds it back (router/latency_calibration.py); once
+    it has MIN_OBSERVED of them, the router's decisions say their p90 is calibrated, and their
+    mean is carried beside it."""
+    from router.latency_calibration import MIN_OBSERVED
+
+    url, _ = slo_routing_app
+    headers = {"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "60000"}
+    sent = 0
+
+    def calibrated() -> dict | None:
+        nonlocal sent
+        answer = ask(url, "none", headers, max_tokens=4)
+        assert answer.status_code == 200, answer.text
+        sent += 1
+        route = answer.json()["prefixgate"]["route"]
+        return route if route.get("prediction_calibrated") else None
+
+    route = wait_until("a decision whose p90 comes from the gateway's observations", calibrated, timeout_s=300)
+    assert sent > MIN_OBSERVED // 2  # not before the gateway had judged requests with predictions
+    assert route["policy"] == "slo" and route["predicted_ttft_ms"] > 0

@@ -29,8 +29,12 @@ class Objectives(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class LatencyPrediction(msgspec.Struct, frozen=True):
-    """The router's p90 prediction for the request on the replica it chose (router/latency_model.py),
-    in ms: what the gateway's coverage metric holds the observed TTFT and TPOT against."""
+    """The router's prediction for the request on the replica it chose (router/latency_model.py),
+    in ms: the p90 the gateway's coverage metric holds the observed TTFT and TPOT against, and
+    the mean the gateway's observations recalibrate that p90 with (router/latency_calibration.py)."""
 
     ttft_ms: float
     tpot_ms: float
+    ttft_mean_ms: float = 0.0
+    tpot_mean_ms: float = 0.0
+    calibrated: bool = False  # the TTFT p90 from the gateway's observations, not the step model's
