@@ -11,6 +11,7 @@ here asks which engine it is.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -59,15 +60,28 @@ def deployment_name(model: str) -> str:
 
 
 def replica_deployment(config: AppConfig, name: str) -> serve.Application:
-    """One model's replicas, bound to their settings, routed by the app's policy."""
+    """One model's replicas, bound to their settings, routed by the app's policy. With roles
+    (docs/prefill-decode.md) these are its decode replicas, and its prefill replicas are a
+    deployment of their own (`-prefill`), bound to the decode one so Serve deploys it with the
+    app; nothing routes to it through a handle: decode replicas call its replicas by id."""
+    if not config.split:
+        return _replicas(config, name, replica_settings(config, config.served_name), config.replicas)
+    prefill_name = f"{name}-prefill"
+    prefill = replace(replica_settings(config, config.served_name), role="prefill", key_prefix=config.prefill_key_prefix)
+    decode = replace(replica_settings(config, config.served_name), role="decode", prefill_deployment=prefill_name)
+    return _replicas(config, name, decode, config.decode_replicas,
+                     _replicas(config, prefill_name, prefill, config.prefill_replicas, routed=False))
+
+
+def _replicas(config: AppConfig, name: str, settings: ReplicaSettings, count: int,
+              prefill: serve.Application | None = None, routed: bool = True) -> serve.Application:
     model_id = config.served_name
-    settings = replica_settings(config, model_id)
     actor_options = config.engine_spec.actor_options(config)  # the engine's CPUs, GPUs, interpreter
     if config.replica_resources:
         actor_options["resources"] = dict(config.replica_resources)
     options = dict(
         name=name,
-        num_replicas=config.replicas,
+        num_replicas=count,
         ray_actor_options=actor_options,
         # flow control keeps the gateways' sends to replicas x max_ongoing_requests; the seat more
         # is for tenants within their share, who never wait for a flood's seats
@@ -80,10 +94,11 @@ def replica_deployment(config: AppConfig, name: str) -> serve.Application:
     if config.autoscaling:
         del options["num_replicas"]
         options["autoscaling_config"] = dict(config.autoscaling)
-    rc = router_config(config, model_id)
+    rc = router_config(config, model_id) if routed else None
     if rc is not None:
         options["request_router_config"] = rc
-    return serve.deployment(PrefixCacheReplica, **options).bind(settings.to_dict())
+    deployment = serve.deployment(PrefixCacheReplica, **options)
+    return deployment.bind(settings.to_dict()) if prefill is None else deployment.bind(settings.to_dict(), prefill)
 
 
 def replica_settings(config: AppConfig, model_id: str) -> ReplicaSettings:

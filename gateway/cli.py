@@ -7,7 +7,7 @@ import sys
 import time
 
 from gateway import shutdown
-from gateway.config import AppConfig
+from gateway.config import AppConfig, check_role_counts
 from gateway.config_cli import add_config_args, config_values
 from gateway.fleet_args import add_fleet_args, sim_service_overrides
 from gateway.ingress import DEFAULT_INGRESS, INGRESSES
@@ -38,6 +38,7 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
     if shorthand:
         values["sim_service"] = {**values.get("sim_service", {}), **shorthand}
     values["redis_url"] = args.redis_url or os.environ.get("REDIS_URL") or "auto"
+    check_role_counts(values)  # --replicas beside --prefill-replicas / --decode-replicas
     return AppConfig(**values)
 
 

@@ -27,13 +27,26 @@ from replica.engine_config import (
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
 )
-from router.protocol.messages import KEEPALIVE_S, KV_PULL_TIMEOUT_S, STREAM_INTERVAL_S
+from router.protocol.messages import (
+    HANDOVER_TIMEOUT_S,
+    KEEPALIVE_S,
+    KV_PULL_TIMEOUT_S,
+    STREAM_INTERVAL_S,
+)
 from router.registry import aliases as policy_aliases
 from router.registry import help_text as policy_help
 from router.registry import policy_names
 from router.router_options import RouterOptions
 
 _ROUTER = RouterOptions()  # the router's defaults, defined in router/router_options.py
+
+
+def check_role_counts(given: dict, where: str = "") -> None:
+    """`replicas` set beside role counts (as given: a command line, a config file, a models entry)
+    is refused, naming both: with roles, each role's count is its own."""
+    if "replicas" in given and any(given.get(k) for k in ROLE_COUNTS):
+        raise ValueError(f"{where}replicas is set together with prefill_replicas / decode_replicas: with roles, give "
+                         "each role's count instead of replicas")
 
 
 def setting(default: Any = MISSING, *, help: str, factory: Any = None, flag: str | None = None,
@@ -54,7 +67,9 @@ ENGINE_DTYPES = MODEL_DTYPES  # what our engine loads a model in (replica/backen
 # what one entry of `models` may set: its name and directory, and the settings of its replicas
 # (the rest of the app's settings apply to every model alike)
 MODEL_KEYS = ("name", "path", "replicas", "engine", "lora_adapters", "autoscaling", "block_size", "num_blocks",
-              "kv_cache_mb", "max_model_len", "max_num_seqs")
+              "kv_cache_mb", "max_model_len", "max_num_seqs", "prefill_replicas", "decode_replicas")
+ROLE_COUNTS = ("prefill_replicas", "decode_replicas")
+ROLE_ENGINES = ("model", "sim")  # the engines that hand a prompt's K/V over (replica/kv_io/handover.py)
 
 
 @dataclass
@@ -70,6 +85,15 @@ class AppConfig:
     replicas: int = setting(2, help="replica count (replaced by `autoscaling` when that is set)")
     autoscaling: dict | None = setting(None, help="Serve autoscaling_config for the replicas (min_replicas, max_replicas, "
                                                   "target_ongoing_requests, ...); replaces `replicas` (infra/serve-autoscale.yaml)")
+    # prefill/decode roles (docs/prefill-decode.md): each role its own deployment; 0 and 0: replicas do both
+    prefill_replicas: int = setting(0, help="replicas that only compute prompts and hand their K/V to decode replicas "
+                                            "(with decode_replicas; replaces `replicas`)")
+    decode_replicas: int = setting(0, help="replicas that take requests and decode, prompts past pd_threshold_tokens "
+                                           "handed over from a prefill replica (with prefill_replicas; replaces `replicas`)")
+    pd_threshold_tokens: int = setting(_ROUTER.pd_threshold_tokens, help="with roles: a prompt whose part the decode "
+                                       "replica does not hold is longer than this is computed on a prefill replica")
+    handover_timeout_s: float = setting(HANDOVER_TIMEOUT_S, help="with roles: a decode replica waits this long for a "
+                                        "hand-over (the prefill replica's queue, prefill and copy), then computes the prompt itself")
     device: str = setting("cpu", help="torch device of our engine")
     torch_threads: int = setting(1, flag="--replica-threads", help="compute threads per replica (torch's, or vLLM's OMP threads)")
     replica_num_cpus: float = setting(0.5, flag="--replica-cpus", help="Ray CPUs reserved per replica")
@@ -192,6 +216,10 @@ class AppConfig:
             unset = re.findall(r"\$\{?(\w+)", d["redis_url"])
             if unset:  # e.g. a Ray head started without ~/.prefixgate/redis.env (docs/deploy.md)
                 raise ValueError(f"redis_url names unset environment variables: {', '.join(unset)}")
+        check_role_counts(d)
+        for i, spec in enumerate(d.get("models") or []):
+            if isinstance(spec, dict):
+                check_role_counts(spec, f"models[{i}] ({spec.get('name')}): ")
         return cls(**d)
 
     def __post_init__(self) -> None:
@@ -238,7 +266,35 @@ class AppConfig:
             bad = {k: v for k, v in getattr(self, name).items() if isinstance(v, bool) or not isinstance(v, (int, float))}
             if bad:
                 raise ValueError(f"{name} takes numbers, got {bad}")
+        self.check_roles()
         self.router_options(self.model_name or "check")  # the router's own rules, checked at load
+
+    @property
+    def split(self) -> bool:
+        """Prefill and decode on replicas of their own."""
+        return self.prefill_replicas > 0 or self.decode_replicas > 0
+
+    def check_roles(self) -> None:
+        """Role counts: both or neither, on an engine that hands over, with fixed counts."""
+        if self.prefill_replicas < 0 or self.decode_replicas < 0:
+            raise ValueError("prefill_replicas and decode_replicas must be >= 0")
+        if not self.split:
+            return
+        if self.prefill_replicas < 1 or self.decode_replicas < 1:
+            raise ValueError(f"prefill_replicas ({self.prefill_replicas}) and decode_replicas ({self.decode_replicas}) "
+                             "go together: a model with roles needs at least one replica of each")
+        if self.engine not in ROLE_ENGINES:
+            raise ValueError(f"prefill_replicas / decode_replicas: engine {self.engine!r} cannot hand a prompt's K/V "
+                             f"over (engines that can: {', '.join(ROLE_ENGINES)})")
+        if self.autoscaling:
+            raise ValueError("prefill_replicas / decode_replicas take fixed counts: autoscaling is not available with roles")
+        if self.pd_threshold_tokens < 0 or not self.handover_timeout_s > 0:
+            raise ValueError("pd_threshold_tokens must be >= 0 and handover_timeout_s > 0")
+
+    @property
+    def prefill_key_prefix(self) -> str:
+        """The prefill replicas' own index, heartbeats and registrations (router/prefill_pick.py)."""
+        return f"{self.key_prefix}:prefill"
 
     def check_slo(self) -> None:
         """slo_ttft_ms / slo_tpot_ms: tier -> a whole number of ms in [1, one hour] (ValueError naming both)."""
@@ -341,6 +397,8 @@ class AppConfig:
             key_prefix=self.key_prefix, redis_timeout_s=self.redis_timeout_s, session_ttl_s=self.session_ttl_s,
             seed=self.seed, sampled_replicas=self.sampled_replicas, index_buckets=self.index_buckets,
             load_refresh_s=self.load_refresh_s, lora_aware=self.lora_aware, audit_dir=self.audit_dir,
+            prefill_key_prefix=self.prefill_key_prefix if self.split else None,
+            pd_threshold_tokens=self.pd_threshold_tokens,
         )
 
     def to_dict(self) -> dict:

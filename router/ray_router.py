@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 
+from msgspec.structs import replace
 from ray.serve.request_router import (
     PendingRequest,
     ReplicaID,
@@ -39,6 +40,7 @@ from router.latency_calibration import calibration
 from router.load_table import LoadTable
 from router.metrics import record_slo, router_metrics
 from router.policy import ReplicaView, RouteRequest, make_policy
+from router.prefill_pick import PrefillPicker
 from router.protocol.audit_log import AuditWriter
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.messages import GenerateRequest, RouteDecision
@@ -79,6 +81,13 @@ class PrefixGateRouter(RequestRouter):
             else None
         )
         self.loads = LoadTable(self.index, o.load_refresh_s, seed=o.seed) if self.index is not None else None
+        # prefill replicas of their own (router/prefill_pick.py): their index, read as the decode one is
+        self.prefill = None
+        if self.index is not None and o.prefill_key_prefix:
+            prefill_index = RedisIndex(RedisConfig(o.redis_url, o.prefill_key_prefix, o.redis_timeout_s,
+                                                   buckets=o.index_buckets))
+            self.prefill = PrefillPicker(prefill_index, LoadTable(prefill_index, o.load_refresh_s, seed=o.seed),
+                                         o.pd_threshold_tokens)
         self._seeds: dict[tuple[str | None, str | None], int] = {}  # (tenant salt, adapter identity)
         self._background: set[asyncio.Task] = set()
         self.inflight = InflightPrefixes(INFLIGHT_TTL_S, keep_s=STALE_MEMORY_S)
@@ -134,6 +143,12 @@ class PrefixGateRouter(RequestRouter):
                              objectives=req.objectives, priority=req.priority)
         self._calibrate()
         routed = await self._decide(route, by_id)
+        if self.prefill is not None:
+            chosen = routed.decision
+            source = await self.prefill.pick(hashes, route.num_prompt_tokens, routed.matched.get(chosen.replica_id, 0),
+                                             self.block_size)
+            if source is not None:
+                routed.decision = replace(chosen, prefill=source)
         self._remember(key, routed)
         decision = routed.decision
         metrics = router_metrics()

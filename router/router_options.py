@@ -18,6 +18,9 @@ PUBLISH_DEPTH = 64  # leading blocks of a prompt that are hashed, published and 
 SESSION_TTL_S = 1800  # a session's last replica is remembered this long (sliding)
 SAMPLED_REPLICAS = 4  # replicas scored for load alone, besides the matched and the session's
 LOAD_REFRESH_S = 0.1  # the router's load table is re-read from the heartbeats this often
+# uncached prompt tokens on the decode replica past which a prefill replica computes the prompt
+# (router/prefill_pick.py; llm-d's prefix-based P/D decider rule)
+PD_THRESHOLD_TOKENS = 256
 
 
 @dataclass
@@ -40,12 +43,18 @@ class RouterOptions:
     lora_aware: bool = True
     # the live routing audit (router/protocol/audit_log.py): each router writes its decisions here
     audit_dir: str | None = None
+    # prefill/decode roles (router/prefill_pick.py): the prefill replicas' own index (None: the
+    # model's replicas do both), and the uncached prompt tokens past which one computes a prompt
+    prefill_key_prefix: str | None = None
+    pd_threshold_tokens: int = PD_THRESHOLD_TOKENS
 
     def __post_init__(self) -> None:
         if self.policy_options is None:
             self.policy_options = {}
         if self.publish_depth < 1 or self.sampled_replicas < 0 or self.index_buckets < 1:
             raise ValueError("publish_depth and index_buckets must be >= 1, sampled_replicas >= 0")
+        if self.pd_threshold_tokens < 0:
+            raise ValueError(f"pd_threshold_tokens must be >= 0, got {self.pd_threshold_tokens}")
         if self.load_refresh_s <= 0 or self.redis_timeout_s < 0:
             raise ValueError("load_refresh_s must be positive and redis_timeout_s >= 0 (0: every lookup times out)")
 

@@ -172,7 +172,7 @@ def _stream_host(backend, replica_id: str = "me"):
 
     from replica.serve.replica_settings import ReplicaSettings
 
-    return SimpleNamespace(replica_id=replica_id, draining=False, backend=backend, kv_pull=None, audit=None,
+    return SimpleNamespace(replica_id=replica_id, draining=False, backend=backend, kv_pull=None, handover=None, audit=None,
                            metrics=SimpleNamespace(request=_Record), settings=ReplicaSettings(engine=SimEngineSettings()))
 
 

@@ -32,7 +32,7 @@ class _Record:
 
 
 def _host(backend):
-    return SimpleNamespace(replica_id="me", draining=False, backend=backend, kv_pull=None, audit=None,
+    return SimpleNamespace(replica_id="me", draining=False, backend=backend, kv_pull=None, handover=None, audit=None,
                            metrics=SimpleNamespace(request=_Record), settings=SimpleNamespace(stream_interval_s=0.05))
 
 

@@ -19,6 +19,8 @@ import msgspec
 
 from replica.backends.engine_protocol import EngineBackend
 from replica.core.engine_types import InvalidRequestError
+from replica.kv_io import handover
+from replica.kv_io.handover import HandoverResult, prefill_and_export
 from replica.serve.audit import AuditListener
 from replica.serve.drain import drain_replica
 from replica.serve.heartbeat import build_heartbeat
@@ -28,7 +30,7 @@ from replica.serve.replica_settings import ReplicaSettings, create_backend
 from replica.serve.request_stream import request_chunks
 from router.protocol.audit_log import AuditWriter
 from router.protocol.lora import AdapterRef
-from router.protocol.messages import RouteDecision, encode_chunk
+from router.protocol.messages import RouteDecision, checked_request, encode_chunk
 from router.protocol.redis_schema import Heartbeat
 
 log = logging.getLogger("prefixgate.replica")
@@ -46,7 +48,9 @@ def _replica_id() -> str:
 class PrefixCacheReplica:
     """Deployment class; the app builder wraps it with serve.deployment(...)."""
 
-    async def __init__(self, settings: dict) -> None:
+    async def __init__(self, settings: dict, prefill: object = None) -> None:
+        """`prefill`: a decode replica's handle to its prefill deployment, bound so that Serve
+        deploys it; hand-overs address its replicas by id (replica/kv_io/handover.py)."""
         self.settings = ReplicaSettings.from_dict(settings)
         self.replica_id = _replica_id()
         self.backend: EngineBackend = await create_backend(self.settings)
@@ -55,6 +59,10 @@ class PrefixCacheReplica:
         self._gauges = asyncio.create_task(self.metrics.run_gauges(self.backend.stats))
         # pulls of K/V bytes from other replicas, and exports to theirs (None where the backend moves none)
         self.kv_pull = self.backend.pull_peer(self.replica_id, self.settings.kv_pull_timeout_s)
+        # a decode replica's hand-overs from the prefill replicas (replica/kv_io/handover.py)
+        self.handover = (handover.for_replica(self.backend, self.kv_pull, self.settings.prefill_deployment,
+                                              self.settings.handover_timeout_s)
+                         if self.settings.role == "decode" else None)
         self.publisher: BlockPublisher | None = None
         self.draining = False
         # (steps started, steps finished) at each heartbeat: shows beats while a step runs
@@ -112,8 +120,11 @@ class PrefixCacheReplica:
             stats["publisher"] = asdict(self.publisher.stats)
         if self.kv_pull is not None:
             stats["kv_pull"] = asdict(self.kv_pull.snapshot())
+        if self.handover is not None:
+            stats["handover"] = asdict(self.handover.stats)
         return {
             "replica": self.replica_id,
+            "role": self.settings.role,
             **facts.as_info(),
             "capabilities": asdict(self.backend.capabilities),
             "pid": os.getpid(),
@@ -128,6 +139,20 @@ class PrefixCacheReplica:
         if self.kv_pull is None:
             return None
         return await self.kv_pull.export(hashes, token_ids, first)
+
+    async def prefill_kv(self, request: object, first: int = 0) -> HandoverResult:
+        """A decode replica hands over a prompt (replica/kv_io/handover.py): computed here, its
+        blocks from `first` on copied out. Raises on a request this replica cannot run (the
+        decode replica then computes it)."""
+        request = checked_request(request)
+        refused = self.backend.capabilities.refusal(request)
+        if refused is not None:
+            raise InvalidRequestError(refused)
+        self._load_changed()
+        try:
+            return await prefill_and_export(self.backend, self.kv_pull, request, first)
+        finally:
+            self._load_changed()
 
     async def add_adapter(self, adapter: object) -> str | None:
         """Read and check a LoRA adapter here (the gateway's run-time load): None when it is

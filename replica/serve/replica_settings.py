@@ -13,9 +13,11 @@ from replica.backends import engines
 from replica.backends.engine_protocol import EngineBackend
 from replica.backends.engines import EngineSettings
 from replica.backends.model_spec import ModelEngineSettings
-from router.protocol.messages import KV_PULL_TIMEOUT_S, STREAM_INTERVAL_S
+from router.protocol.messages import HANDOVER_TIMEOUT_S, KV_PULL_TIMEOUT_S, STREAM_INTERVAL_S
 from router.protocol.redis_schema import DEFAULT_KEY_PREFIX, INDEX_BUCKETS
 from router.router_options import PUBLISH_DEPTH
+
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass
@@ -29,6 +31,20 @@ class ReplicaSettings:
     kv_pull_timeout_s: float = KV_PULL_TIMEOUT_S  # a pull hint's round trip (docs/kv-pull.md); past it: recompute
     stream_interval_s: float = STREAM_INTERVAL_S  # a stream sends at most once per interval (replica/serve/stream_batcher.py)
     audit_dir: str | None = None  # the live routing audit: block events and outcomes go here (router/protocol/audit_log.py)
+    # prefill/decode roles (docs/prefill-decode.md): "both" (colocated), "prefill" or "decode"; a
+    # decode replica asks the replicas of `prefill_deployment` (a deployment of the same app) for
+    # hand-overs, each within `handover_timeout_s` (then it computes the prompt itself)
+    role: str = "both"
+    prefill_deployment: str | None = None
+    handover_timeout_s: float = HANDOVER_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if (self.role == "decode") != (self.prefill_deployment is not None):
+            raise ValueError("a decode replica needs prefill_deployment, and only a decode replica takes one")
+        if not self.handover_timeout_s > 0:
+            raise ValueError(f"handover_timeout_s must be > 0, got {self.handover_timeout_s}")
 
     @classmethod
     def from_dict(cls, d: dict) -> ReplicaSettings:
@@ -44,3 +60,4 @@ class ReplicaSettings:
 async def create_backend(settings: ReplicaSettings) -> EngineBackend:
     """The backend the settings name (replica/backends/engines.py picks it by their type)."""
     return await engines.create_backend(settings.engine, settings.torch_threads)
+

@@ -1,8 +1,8 @@
 """One request on a replica, as the chunks the gateway reads (router/protocol/messages.py).
 
 The request is re-validated as it enters (a malformed one is a 400 chunk, never half-run);
-the router's decision arrives beside it (`route`) and its pull hint, if any, runs before the
-engine sees the request; the engine's outputs go out in batches (replica/serve/stream_batcher.py),
+the router's decision arrives beside it (`route`) and its hand-over from a prefill replica or
+its pull hint, if any, runs before the engine sees the request; the engine's outputs go out in batches (replica/serve/stream_batcher.py),
 and while the engine works without output, keepalives go out so the gateway's stall guard can
 tell slow from frozen.
 """
@@ -45,6 +45,7 @@ class StreamHost(Protocol):
     backend: EngineBackend
     metrics: Any  # ReplicaMetrics
     kv_pull: KvPullPeer | None  # moves pulled K/V bytes, where the backend does
+    handover: Any  # a decode replica's hand-overs from prefill replicas (replica/kv_io/handover.py), else None
     settings: Any  # ReplicaSettings
     audit: AuditWriter | None  # the live routing audit's file, where it is on
 
@@ -65,9 +66,15 @@ async def request_chunks(replica: StreamHost, request: Any, route: RouteDecision
             raise InvalidRequestError(refused)
         request.pull = _pull_hint(replica, route)
         kv_prefix = None
-        if request.pull is not None and replica.kv_pull is not None:
-            # a pull can take up to kv_pull_timeout_s: keepalives go out meanwhile too
-            async with contextlib.aclosing(with_keepalive(_once(_pull(replica, request)), KEEPALIVE_S)) as prep:
+        prep_kv = None  # what brings K/V before the engine sees the request: a hand-over, else a pull
+        prefill = route.prefill if route is not None and replica.handover is not None else None
+        if prefill is not None and prefill.replica_id != replica.replica_id:
+            prep_kv = replica.handover.run(prefill, request, replica.backend.facts.model_id)
+        elif request.pull is not None and replica.kv_pull is not None:
+            prep_kv = _pull(replica, request)
+        if prep_kv is not None:
+            # a pull can take up to kv_pull_timeout_s, a hand-over a prefill elsewhere: keepalives go out meanwhile
+            async with contextlib.aclosing(with_keepalive(_once(prep_kv), KEEPALIVE_S)) as prep:
                 async for got in prep:
                     if got is None:
                         yield AliveChunk()

@@ -296,6 +296,12 @@ class RedisIndex:
         session_replica = results[-1] if session_id else None
         return cards, samples, session_replica or None
 
+    async def registered(self) -> list[str]:
+        """The replica ids registered under this prefix (their publishers add them; garbage
+        collection removes the dead), sorted."""
+        client = await self._open_guarded()
+        return sorted(await self._guard(client.smembers(self.keys.replicas)))
+
     async def mark_inflight(self, hashes: list[int], replica_id: str, ttl_ms: int) -> None:
         """Tell every router that these blocks were just sent to `replica_id`: until a replica
         publishes them (or the TTL ends), lookups count it as their holder."""

@@ -35,6 +35,8 @@ STREAM_INTERVAL_S = 0.05
 # How long a replica acting on a pull hint waits for the holder's K/V before it computes the
 # prefix itself (docs/kv-pull.md): AppConfig.kv_pull_timeout_s, replica settings, the puller.
 KV_PULL_TIMEOUT_S = 5.0
+# a decode replica waits this long for a prefill replica's hand-over (its queue, prefill and copy), then computes
+HANDOVER_TIMEOUT_S = 60.0
 
 
 class KvSource(msgspec.Struct, frozen=True):
@@ -58,6 +60,9 @@ class RouteDecision(msgspec.Struct, frozen=True, omit_defaults=True):
     replica_id: str  # the replica the policy chose (Ray may place it on a fallback)
     matched_blocks: int = 0  # leading blocks of the prompt the index says that replica holds
     pull: KvSource | None = None  # copy these leading blocks from another replica first
+    # a prefill replica (docs/prefill-decode.md) to compute the prompt and hand its K/V over to
+    # the decode replica `replica_id`: the prompt's uncached part there passed the threshold
+    prefill: KvSource | None = None
     # the router's p90 TTFT and TPOT for the request on `replica_id` (a request with objectives,
     # decided with a warm latency model: router/slo_policy.py); the gateway measures its coverage
     prediction: LatencyPrediction | None = None
@@ -68,6 +73,8 @@ class RouteDecision(msgspec.Struct, frozen=True, omit_defaults=True):
                                "matched_blocks": self.matched_blocks}
         if self.pull is not None:
             out["pull_from"], out["pull_blocks"] = self.pull.replica_id, self.pull.num_blocks
+        if self.prefill is not None:
+            out["prefill_from"], out["prefill_blocks"] = self.prefill.replica_id, self.prefill.num_blocks
         if self.prediction is not None:
             out["predicted_ttft_ms"] = round(self.prediction.ttft_ms, 1)
             out["predicted_tpot_ms"] = round(self.prediction.tpot_ms, 1)

@@ -1,0 +1,99 @@
+"""The prefill half of a disaggregated decision (docs/prefill-decode.md): which prefill replica
+computes a prompt for the decode replica the policy chose, and whether one should at all.
+
+A model served with prefill and decode roles runs its prefill replicas as a deployment of their
+own, publishing into their own index (`prefill_key_prefix`: their blocks, heartbeats and
+registrations). The router decides among the decode replicas as it always has; then, when the
+prompt's part the chosen decode replica does not hold is longer than `threshold_tokens` (llm-d's
+prefix-based P/D decider: a short uncached part is cheaper to compute where the request decodes
+than to hand over), it picks the prefill replica with the least prefill work before this prompt's
+would be done: the tokens of the prompt it does not hold (from the prefill index) plus its
+pending prefill tokens (its heartbeat). With the prefill index away, no prefill replica
+heartbeating, or nothing over the threshold: no pick, and the decode replica computes the
+prompt itself, as a colocated replica does.
+
+Cost per decision: one lookup in the prefill index (the same script and budget as the decode
+index's) and a scan of the prefill replicas' heartbeats (a handful; the load table keeps them
+fresh in the background). The prefill replicas' ids are re-read from their registrations every
+MEMBERS_REFRESH_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from router.index.redis_index import IndexUnavailable, RedisIndex
+from router.load_table import LoadTable
+from router.protocol.messages import KvSource
+from router.router_options import PD_THRESHOLD_TOKENS
+
+MEMBERS_REFRESH_S = 1.0  # how often the prefill replicas' registrations are re-read
+
+
+class PrefillPicker:
+    """One router's view of the prefill replicas of its model: `pick` per decision."""
+
+    def __init__(self, index: RedisIndex, loads: LoadTable, threshold_tokens: int = PD_THRESHOLD_TOKENS) -> None:
+        self.index = index
+        self.loads = loads
+        self.threshold_tokens = threshold_tokens
+        self._ids: list[str] = []
+        self._read_at = -MEMBERS_REFRESH_S
+        self._reading: asyncio.Task | None = None
+        self.picks = 0
+        self.skipped = {"short": 0, "no_replica": 0, "index": 0}  # why decisions had no prefill pick
+
+    async def pick(self, hashes: list[int], prompt_tokens: int, decode_matched_blocks: int,
+                   block_size: int) -> KvSource | None:
+        """The prefill replica for a prompt of `prompt_tokens` whose decode replica holds its first
+        `decode_matched_blocks` blocks, or None (the decode replica computes it)."""
+        uncached = prompt_tokens - decode_matched_blocks * block_size
+        if uncached <= self.threshold_tokens:
+            self.skipped["short"] += 1
+            return None
+        handed = (prompt_tokens - 1) // block_size  # the last token is computed where it decodes
+        if handed <= decode_matched_blocks:
+            self.skipped["short"] += 1
+            return None
+        ids = await self._replicas()
+        live = [rid for rid in ids if self.loads.get(rid) is not None]
+        if not live:
+            self.skipped["no_replica"] += 1
+            return None
+        try:
+            look = await self.index.lookup(hashes, live)
+        except IndexUnavailable:
+            self.skipped["index"] += 1
+            return None
+
+        def work(rid: str) -> tuple[int, str]:
+            held = look.replicas[rid].matched_blocks if rid in look.replicas else 0
+            hb = self.loads.get(rid) or {}
+            return max(prompt_tokens - held * block_size, 0) + int(hb.get("pending_prefill_tokens", 0)), rid
+
+        best = min(live, key=work)
+        self.picks += 1
+        return KvSource(best, handed)
+
+    async def _replicas(self) -> list[str]:
+        """The registered prefill replicas, re-read every MEMBERS_REFRESH_S (in the background
+        once known: a decision never waits for it but the first)."""
+        if time.monotonic() - self._read_at >= MEMBERS_REFRESH_S and (self._reading is None or self._reading.done()):
+            self._reading = asyncio.get_running_loop().create_task(self._read())
+            if not self._ids:
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._reading), max(self.index.config.timeout_s * 4, 0.5))
+                except Exception:
+                    pass
+        return self._ids
+
+    async def _read(self) -> None:
+        self._read_at = time.monotonic()
+        try:
+            ids = await self.index.registered()
+        except IndexUnavailable:
+            return
+        if ids != self._ids:
+            self._ids = ids
+            await self.loads.include(ids)
