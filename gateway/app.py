@@ -16,7 +16,7 @@ from dataclasses import replace
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from gateway.config import AppConfig
+from gateway.config import AppConfig, check_role_counts
 from gateway.flow.saturation import HEADROOM_PER_REPLICA
 from gateway.server import Gateway
 from replica.serve.deployment import PrefixCacheReplica
@@ -113,4 +113,5 @@ def replica_settings(config: AppConfig, model_id: str) -> ReplicaSettings:
 
 def app_builder(args: dict) -> serve.Application:
     """Entry for `serve run gateway.app:app_builder key=value ...` and Serve config files."""
+    check_role_counts(args)
     return build_app(AppConfig.from_dict(args))

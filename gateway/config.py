@@ -42,8 +42,9 @@ _ROUTER = RouterOptions()  # the router's defaults, defined in router/router_opt
 
 
 def check_role_counts(given: dict, where: str = "") -> None:
-    """`replicas` set beside role counts (as given: a command line, a config file, a models entry)
-    is refused, naming both: with roles, each role's count is its own."""
+    """`replicas` set beside role counts, as a user gave them (the command line, a Serve config's
+    args, a models entry: where they enter, since a config passed on carries every field), is
+    refused, naming both: with roles, each role's count is its own."""
     if "replicas" in given and any(given.get(k) for k in ROLE_COUNTS):
         raise ValueError(f"{where}replicas is set together with prefill_replicas / decode_replicas: with roles, give "
                          "each role's count instead of replicas")
@@ -216,10 +217,6 @@ class AppConfig:
             unset = re.findall(r"\$\{?(\w+)", d["redis_url"])
             if unset:  # e.g. a Ray head started without ~/.prefixgate/redis.env (docs/deploy.md)
                 raise ValueError(f"redis_url names unset environment variables: {', '.join(unset)}")
-        check_role_counts(d)
-        for i, spec in enumerate(d.get("models") or []):
-            if isinstance(spec, dict):
-                check_role_counts(spec, f"models[{i}] ({spec.get('name')}): ")
         return cls(**d)
 
     def __post_init__(self) -> None:
@@ -364,6 +361,7 @@ class AppConfig:
                 raise ValueError(f"models[{i}] ({spec['name']}): unknown keys {sorted(unknown)}; valid: {list(MODEL_KEYS)}")
             if spec["name"] in names:
                 raise ValueError(f"models: {spec['name']!r} named twice")
+            check_role_counts(spec, f"models[{i}] ({spec['name']}): ")
             names.add(spec["name"])
         for cfg in self.model_configs():
             clash = names & set(cfg.lora)

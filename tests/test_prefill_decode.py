@@ -18,6 +18,7 @@ import httpx
 import pytest
 import redis
 
+from gateway.app import app_builder
 from gateway.config import AppConfig
 from replica.default_model import DEFAULT_MODEL_NAME
 from replica.kv_io.kv_pull import ReplicaCaller
@@ -35,6 +36,7 @@ BS = 16
 # ---- settings -----------------------------------------------------------------------------------
 def test_roles_from_a_serve_config_and_their_refusals():
     cfg = AppConfig.from_dict({"engine": "sim", "prefill_replicas": 1, "decode_replicas": 2, "pd_threshold_tokens": 128})
+    assert AppConfig.from_dict(cfg.to_dict()).split  # passed on whole (replicas included), as the gateway gets it
     assert cfg.split and cfg.router_options("m").prefill_key_prefix == f"{cfg.key_prefix}:prefill"
     assert cfg.router_options("m").pd_threshold_tokens == 128
     assert AppConfig.from_dict({"engine": "sim"}).router_options("m").prefill_key_prefix is None  # colocated
@@ -47,7 +49,7 @@ def test_roles_from_a_serve_config_and_their_refusals():
     }
     for why, given in refused.items():
         with pytest.raises(ValueError, match=why):
-            AppConfig.from_dict(given)
+            app_builder(given)  # as Serve builds the app from a config file's args
     models = {"engine": "sim", "models": [{"name": "a", "prefill_replicas": 1, "decode_replicas": 1},
                                           {"name": "b", "replicas": 1}]}
     a, b = AppConfig.from_dict(models).model_configs()
