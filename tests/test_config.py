@@ -110,7 +110,7 @@ def test_one_default_per_setting():
     assert app.max_num_batched_tokens == engine.max_num_batched_tokens
     assert app.kv_cache_mb * 2**20 == engine.kv_cache_bytes and app.block_size == engine.block_size
     for f in fields(RouterOptions):
-        if f.name not in ("model_id", "block_size", "redis_url"):  # the app's own choices
+        if f.name not in ("model_id", "block_size", "redis_url", "prefill_key_prefix"):  # the app's own choices
             assert getattr(app, f.name) == getattr(router, f.name), f.name
     assert ReplicaSettings().key_prefix == app.key_prefix and ReplicaSettings().index_buckets == app.index_buckets
     assert ReplicaSettings().publish_depth == app.publish_depth
@@ -168,12 +168,16 @@ def test_every_router_option_reaches_the_router_from_a_config_file():
     changed = {"policy": "affinity", "policy_options": {"miss_weight": 9.0}, "publish_depth": 32,
                "key_prefix": "cfg", "redis_timeout_s": 0.2, "session_ttl_s": 60, "seed": 5,
                "sampled_replicas": 2, "index_buckets": 4, "load_refresh_s": 0.5, "block_size": 32,
-               "redis_url": "redis://127.0.0.1:1/0", "lora_aware": False, "audit_dir": "/tmp/audit"}
-    assert set(changed) | {"model_id"} == {f.name for f in fields(RouterOptions)}
+               "redis_url": "redis://127.0.0.1:1/0", "lora_aware": False, "audit_dir": "/tmp/audit",
+               "pd_threshold_tokens": 100}
+    # the prefill replicas' index: derived from key_prefix where the model has roles
+    assert set(changed) | {"model_id", "prefill_key_prefix"} == {f.name for f in fields(RouterOptions)}
     config = AppConfig.from_dict(changed)
     kwargs = router_config(config, "my-model").request_router_kwargs
-    assert kwargs == {**changed, "model_id": "my-model"}
+    assert kwargs == {**changed, "model_id": "my-model", "prefill_key_prefix": None}
     RouterOptions(**kwargs)  # what PrefixGateRouter.initialize_state builds
+    roles = {**changed, "engine": "sim", "prefill_replicas": 1, "decode_replicas": 2}
+    assert router_config(AppConfig.from_dict(roles), "m").request_router_kwargs["prefill_key_prefix"] == "cfg:prefill"
 
     from gateway.app import build_app
 
@@ -182,6 +186,13 @@ def test_every_router_option_reaches_the_router_from_a_config_file():
     settings = ReplicaSettings.from_dict(replica.init_args[0])
     assert settings.index_buckets == 4 and settings.key_prefix == "cfg" and settings.publish_depth == 32
     assert settings.audit_dir == "/tmp/audit"  # the replicas record their side of the audit there
+    assert settings.role == "both"
+    # with roles: the decode replicas are the routed deployment; the prefill ones beside it, their own index
+    split = {d.name: d for d in _deployments(build_app(AppConfig.from_dict(roles)))}
+    decode = ReplicaSettings.from_dict(split["PrefixCacheReplica"].init_args[0])
+    prefill = ReplicaSettings.from_dict(split["PrefixCacheReplica-prefill"].init_args[0])
+    assert (decode.role, decode.prefill_deployment, decode.key_prefix) == ("decode", "PrefixCacheReplica-prefill", "cfg")
+    assert (prefill.role, prefill.key_prefix) == ("prefill", "cfg:prefill")
 
 
 def _deployments(app):
