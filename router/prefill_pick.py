@@ -7,8 +7,11 @@ registrations). The router decides among the decode replicas as it always has; t
 prompt's part the chosen decode replica does not hold is longer than `threshold_tokens` (llm-d's
 prefix-based P/D decider: a short uncached part is cheaper to compute where the request decodes
 than to hand over), it picks the prefill replica with the least prefill work before this prompt's
-would be done: the tokens of the prompt it does not hold (from the prefill index) plus its
-pending prefill tokens (its heartbeat). With the prefill index away, no prefill replica
+would be done, priced with the latency model (router/latency_model.py) the router learns from
+the prefill replicas' heartbeats as from the decode replicas': the mean predicted time to this
+prompt's first token there (its work ahead at the request's priority, the prompt's part it does
+not hold, from the prefill index). Until every prefill replica has a step model (cold, just
+restarted), in tokens: the prompt's part it does not hold plus its pending prefill tokens. With the prefill index away, no prefill replica
 heartbeating, or nothing over the threshold: no pick, and the decode replica computes the
 prompt itself, as a colocated replica does.
 
@@ -24,8 +27,10 @@ import asyncio
 import time
 
 from router.index.redis_index import IndexUnavailable, RedisIndex
+from router.latency_model import predict
 from router.load_table import LoadTable
 from router.protocol.messages import KvSource
+from router.protocol.redis_schema import queued_ahead
 from router.router_options import PD_THRESHOLD_TOKENS
 
 MEMBERS_REFRESH_S = 1.0  # how often the prefill replicas' registrations are re-read
@@ -45,9 +50,10 @@ class PrefillPicker:
         self.skipped = {"short": 0, "no_replica": 0, "index": 0}  # why decisions had no prefill pick
 
     async def pick(self, hashes: list[int], prompt_tokens: int, decode_matched_blocks: int,
-                   block_size: int) -> KvSource | None:
+                   block_size: int, priority: int = 0) -> KvSource | None:
         """The prefill replica for a prompt of `prompt_tokens` whose decode replica holds its first
-        `decode_matched_blocks` blocks, or None (the decode replica computes it)."""
+        `decode_matched_blocks` blocks, or None (the decode replica computes it). `priority`: the
+        request's scheduling priority (it waits only for the work of its priority and better)."""
         uncached = prompt_tokens - decode_matched_blocks * block_size
         if uncached <= self.threshold_tokens:
             self.skipped["short"] += 1
@@ -67,12 +73,21 @@ class PrefillPicker:
             self.skipped["index"] += 1
             return None
 
-        def work(rid: str) -> tuple[int, str]:
-            held = look.replicas[rid].matched_blocks if rid in look.replicas else 0
-            hb = self.loads.get(rid) or {}
-            return max(prompt_tokens - held * block_size, 0) + int(hb.get("pending_prefill_tokens", 0)), rid
-
-        best = min(live, key=work)
+        uncached = {rid: max(prompt_tokens - (look.replicas[rid].matched_blocks if rid in look.replicas else 0)
+                             * block_size, 0) for rid in live}
+        fits = {rid: self.loads.latency.fit(rid) for rid in live}
+        if all(fit is not None for fit in fits.values()):
+            def cost(rid: str) -> float:  # the mean predicted time to this prompt's first token there
+                hb = self.loads.get(rid) or {}
+                return predict(fits[rid], uncached=uncached[rid], prompt_tokens=prompt_tokens,
+                               running=int(hb.get("running", 0)), waiting=int(hb.get("waiting", 0)),
+                               pending_prefill=int(hb.get("pending_prefill_tokens", 0)),
+                               context=int(hb.get("context_tokens", 0)), ahead=queued_ahead(hb, priority),
+                               quantile=False).ttft_s
+        else:
+            def cost(rid: str) -> float:  # a replica without a step model yet: prefill tokens ahead of its end
+                return uncached[rid] + int((self.loads.get(rid) or {}).get("pending_prefill_tokens", 0))
+        best = min(live, key=lambda rid: (cost(rid), rid))
         self.picks += 1
         return KvSource(best, handed)
 

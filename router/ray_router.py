@@ -146,7 +146,7 @@ class PrefixGateRouter(RequestRouter):
         if self.prefill is not None:
             chosen = routed.decision
             source = await self.prefill.pick(hashes, route.num_prompt_tokens, routed.matched.get(chosen.replica_id, 0),
-                                             self.block_size)
+                                             self.block_size, req.priority)
             if source is not None:
                 routed.decision = replace(chosen, prefill=source)
         self._remember(key, routed)

@@ -24,6 +24,7 @@ from replica.default_model import DEFAULT_MODEL_NAME
 from replica.kv_io.kv_pull import ReplicaCaller
 from replica.serve.replica_settings import ReplicaSettings
 from router.index.redis_index import RedisConfig, RedisIndex
+from router.latency_model import StepFit
 from router.load_table import LoadTable
 from router.prefill_pick import PrefillPicker
 from router.protocol.hashing import block_hashes, chain_seed
@@ -31,6 +32,8 @@ from router.protocol.redis_schema import Heartbeat, RedisKeys
 from tests.helpers.stack import side_app, wait_until
 
 BS = 16
+FIT = StepFit((0.01, 0.0002, 0.0005, 0.0, 0.02), q=0.002, prefill_per_step=64.0, started_per_step=0.1,
+              budget=512, samples=50)
 
 
 # ---- settings -----------------------------------------------------------------------------------
@@ -97,9 +100,11 @@ def test_the_prefill_pick_weighs_held_blocks_against_queued_prefill(redis_server
     prompt = list(range(1000, 1000 + 40 * BS + 3))
     hashes = block_hashes(prompt[: 40 * BS], BS, chain_seed("m", None, None))
 
-    async def pick(threshold: int, decode_matched: int):
+    async def pick(threshold: int, decode_matched: int, fit: StepFit | None = None):
         index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=1.0))
         picker = PrefillPicker(index, LoadTable(index, 0.05), threshold)
+        if fit is not None:  # as if each prefill replica's steps had been learned from its heartbeats
+            picker.loads.latency.fit = lambda rid: fit
         try:
             return await picker.pick(hashes, len(prompt), decode_matched, BS), picker
         finally:
@@ -115,6 +120,11 @@ def test_the_prefill_pick_weighs_held_blocks_against_queued_prefill(redis_server
     assert asyncio.run(pick(64, 0))[0].replica_id == "idle"  # 763 > 643
     short, picker = asyncio.run(pick(64, 38))  # the decode replica holds all but 35 tokens
     assert short is None and picker.skipped["short"] == 1
+    # ten requests waiting at the holder, no prefill pending: in tokens it is the cheaper (163 < 643);
+    # priced by the step models, their starts (20 ms each) make it the slower to this prompt's end
+    client.hset(keys.heartbeat("holder"), mapping={"pending_prefill_tokens": 0, "waiting": 10})
+    assert asyncio.run(pick(64, 0))[0].replica_id == "holder"
+    assert asyncio.run(pick(64, 0, FIT))[0].replica_id == "idle"
     client.delete(keys.heartbeat("idle"), keys.heartbeat("holder"))  # no heartbeat: not a candidate
     none, picker = asyncio.run(pick(64, 0))
     assert none is None and picker.skipped["no_replica"] == 1
