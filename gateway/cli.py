@@ -79,7 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         models = config.model_configs()
         for model in models:
             resolve_model(model.model)  # convert the bundled model once, before replicas start
-        replicas = ", ".join(f"{m.replicas} {m.engine} replicas" + (f" of {m.served_name}" if len(models) > 1 else "")
+        replicas = ", ".join((f"{m.prefill_replicas} prefill + {m.decode_replicas} decode {m.engine} replicas" if m.split
+                              else f"{m.replicas} {m.engine} replicas") + (f" of {m.served_name}" if len(models) > 1 else "")
                              for m in models)
         print(f"[prefixgate] starting: {replicas}, {config.gateways} gateway(s), "
               f"policy {config.policy}, port {args.port} ({args.ingress})", flush=True)

@@ -289,6 +289,12 @@ class AppConfig:
             raise ValueError("pd_threshold_tokens must be >= 0 and handover_timeout_s > 0")
 
     @property
+    def routed_replicas(self) -> int:
+        """The replicas requests are routed to (and flow control counts the seats of): the decode
+        replicas with roles, else all of them."""
+        return self.decode_replicas if self.split else self.replicas
+
+    @property
     def prefill_key_prefix(self) -> str:
         """The prefill replicas' own index, heartbeats and registrations (router/prefill_pick.py)."""
         return f"{self.key_prefix}:prefill"

@@ -108,6 +108,10 @@ async def readiness(gw, app_name: str | None = None) -> tuple[bool, dict]:
     body = {"status": status, "routing": routing, "checks": checks, "causes": causes}
     if len(gw.served) > 1:
         body["models"] = {name: "ok" if problem is None else "unavailable" for name, problem in replica_problems.items()}
+    roles = {name: {"prefill": s.config.prefill_replicas, "decode": s.config.decode_replicas}
+             for name, s in gw.served.items() if s.config.split}
+    if roles:  # models with prefill and decode replicas of their own (docs/prefill-decode.md): the counts configured
+        body["roles"] = roles
     body["queued"] = sum(s.flow.depth() for s in gw.served.values())  # waiting in this gateway's queues (gateway/flow/)
     limits = rate_limit_mode(gw, checks)
     if limits is not None:  # tenants with rpm/tpm: "shared" (Redis) or "local" (this gateway's share)

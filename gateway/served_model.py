@@ -31,7 +31,7 @@ class ServedModel:
         self.name = config.served_name
         self.replicas = replicas
         self.prompts = PromptBuilder(config)
-        most = (config.autoscaling or {}).get("max_replicas", config.replicas)
+        most = (config.autoscaling or {}).get("max_replicas", config.routed_replicas)
         self.capacity = most * config.max_ongoing_requests + config.max_queued_requests
         self.flow = self._flow_controller(most, keys, shutting_down, gateways, gateway_id)
         redis_keys = RedisKeys(config.key_prefix, config.index_buckets)
@@ -63,7 +63,7 @@ class ServedModel:
                      headroom=headroom, fleet_max_in_flight=fleet_seats, fleet_headroom=fleet_headroom),
             c.max_queued_requests,
             {"priority": c.queue_wait_priority_s, "default": c.queue_wait_default_s, "flex": c.queue_wait_flex_s},
-            c.replicas, weight=lambda flow: tenants[flow].weight if flow in tenants else 1.0, reader=reader,
+            c.routed_replicas, weight=lambda flow: tenants[flow].weight if flow in tenants else 1.0, reader=reader,
             tenants=tuple(tenants) or ("anonymous",), shutting_down=shutting_down, enabled=c.flow_control,
             model=self.name, forecast=floor.best_ttft_s if floor is not None else None, slo_shed=c.slo_shed,
         )

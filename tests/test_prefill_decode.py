@@ -42,6 +42,7 @@ def test_roles_from_a_serve_config_and_their_refusals():
     assert AppConfig.from_dict(cfg.to_dict()).split  # passed on whole (replicas included), as the gateway gets it
     assert cfg.split and cfg.router_options("m").prefill_key_prefix == f"{cfg.key_prefix}:prefill"
     assert cfg.router_options("m").pd_threshold_tokens == 128
+    assert cfg.routed_replicas == 2  # the decode replicas: what flow control counts the seats of
     assert AppConfig.from_dict({"engine": "sim"}).router_options("m").prefill_key_prefix is None  # colocated
     refused = {
         "replicas": {"engine": "sim", "replicas": 2, "prefill_replicas": 1, "decode_replicas": 1},
@@ -186,7 +187,8 @@ def test_a_long_prompt_is_handed_over_and_a_short_one_is_not(sim_app):
     short = _complete(sim_app.url, _prompt(40))["prefixgate"]["route"]  # 40 tokens: under the 64-token threshold
     assert "prefill_from" not in short
     health = httpx.get(f"{sim_app.url}/health", timeout=30)
-    assert health.status_code == 200
+    assert health.status_code == 200 and health.json()["roles"] == {DEFAULT_MODEL_NAME: {"prefill": 1, "decode": 1}}
+    assert asyncio.run(sim_app.decode.call(route["replica"], "info"))["role"] == "decode"
 
 
 def test_a_killed_prefill_replica_loses_no_request(sim_app):
