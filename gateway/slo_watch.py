@@ -88,12 +88,13 @@ def record_prediction(prediction: LatencyPrediction, ttft_s: float | None, tpot_
     """Observed latencies (seconds; None: not observed) against the router's p90 (ms), and fed
     back, beside its mean, to the calibration the router's next p90s come from."""
     fed = calibration(model)
-    for objective, seen, predicted, mean in (("ttft", ttft_s, prediction.ttft_ms, prediction.ttft_mean_ms),
-                                             ("tpot", tpot_s, prediction.tpot_ms, prediction.tpot_mean_ms)):
+    for objective, seen, predicted, mean, calibrated in (
+            ("ttft", ttft_s, prediction.ttft_ms, prediction.ttft_mean_ms, prediction.ttft_calibrated),
+            ("tpot", tpot_s, prediction.tpot_ms, prediction.tpot_mean_ms, prediction.tpot_calibrated)):
         if seen is None:
             continue
         if mean > 0:
-            fed.observe(objective, mean / 1000, seen)
+            fed.observe(objective, mean / 1000, seen, seen * 1000 <= predicted if calibrated else None)
         m.SLO_PREDICTIONS.labels(model, objective).inc()
         if seen * 1000 <= predicted:
             m.SLO_COVERED.labels(model, objective).inc()

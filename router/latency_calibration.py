@@ -18,6 +18,12 @@ rank. The scale keeps small predictions (an idle replica's few ms, where the hop
 from turning into huge ratios; coverage holds whatever it is (the scores only rank). Until
 MIN_OBSERVED observations, the step model's own p90 stands.
 
+A trailing window lags a load that keeps changing (a rising rate makes every new error larger
+than the window's), so the level itself adapts, as adaptive conformal inference does (Gibbs &
+Candes, 2021): each observation judged against a calibrated p90 moves the miss rate aimed at,
+`alpha += GAMMA x (0.1 - missed)`, so a run of misses raises the rank and a run of covers
+lowers it, and over a run the share covered tends to 90% whatever the drift.
+
 One Calibration per served model per process (`calibration`): the gateway and the router it
 runs (Serve runs the request router in the handle's process) share it. Memory: WINDOW x 2 floats
 per model and objective; a refit (numpy sort of WINDOW values) every REFIT_EVERY observations,
@@ -36,6 +42,8 @@ QUANTILE = 0.9
 WINDOW = 256  # observations kept per model and objective: the last minute or two of a busy model
 MIN_OBSERVED = 32  # fewer: the step model's own p90
 REFIT_EVERY = 8  # the quantile is recomputed after this many new observations
+GAMMA = 0.01  # the adaptive level's step per observation judged against a calibrated p90
+ALPHA_RANGE = (0.005, 0.5)  # the miss rate aimed at stays within this
 OBJECTIVES = ("ttft", "tpot")
 
 
@@ -47,6 +55,7 @@ class _Scores:
         self.fresh = 0  # observations since the last fit
         self.q: float | None = None  # the score quantile (None: too few observations)
         self.scale = 0.0
+        self.alpha = 1 - QUANTILE  # the miss rate aimed at (adaptive conformal inference)
 
     def fit(self, min_observed: int) -> None:
         self.fresh = 0
@@ -58,7 +67,7 @@ class _Scores:
         mean, observed = pairs[:, 0], pairs[:, 1]
         self.scale = float(np.median(observed))
         scores = (observed - mean) / np.maximum(mean + self.scale, 1e-9)
-        rank = min(math.ceil((n + 1) * QUANTILE), n)  # the finite-sample rank: coverage >= 90%
+        rank = min(math.ceil((n + 1) * (1 - self.alpha)), n)  # the finite-sample rank of the level aimed at
         self.q = float(np.partition(scores, rank - 1)[rank - 1])
 
 
@@ -70,12 +79,17 @@ class Calibration:
         self._scores = {objective: _Scores(window) for objective in OBJECTIVES}
         self._lock = threading.Lock()  # the gateway's event loop and the router's may differ
 
-    def observe(self, objective: str, mean_s: float, observed_s: float) -> None:
-        """One request's observed `objective` ("ttft" or "tpot") beside the mean predicted for it."""
+    def observe(self, objective: str, mean_s: float, observed_s: float, covered: bool | None = None) -> None:
+        """One request's observed `objective` ("ttft" or "tpot") beside the mean predicted for it;
+        `covered`: whether it was within the calibrated p90 it was routed with (None: that p90 was
+        the step model's), which adapts the level."""
         if mean_s < 0 or observed_s < 0 or not math.isfinite(mean_s) or not math.isfinite(observed_s):
             return
         scores = self._scores[objective]
         with self._lock:
+            if covered is not None:
+                low, high = ALPHA_RANGE
+                scores.alpha = min(max(scores.alpha + GAMMA * ((1 - QUANTILE) - (not covered)), low), high)
             scores.pairs.append((mean_s, observed_s))
             scores.fresh += 1
             if scores.q is None or scores.fresh >= REFIT_EVERY:
@@ -84,6 +98,10 @@ class Calibration:
     def observed(self, objective: str) -> int:
         """Observations of `objective` in the window."""
         return len(self._scores[objective].pairs)
+
+    def level(self, objective: str) -> float:
+        """The quantile level the p90 is taken at now (0.9 until misses or covers move it)."""
+        return 1 - self._scores[objective].alpha
 
     def ready(self, objective: str) -> bool:
         """Whether `objective`'s p90 comes from the observations (else the step model's)."""

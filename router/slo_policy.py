@@ -96,9 +96,9 @@ class SloPolicy(Policy):
             decision = self.base.decide_among(request, replicas, None, {best.replica_id})
             decision = replace(decision, reason="slo")
         p = predicted[decision.replica_id]
-        calibrated = self.calibration is not None and self.calibration.ready("ttft")
+        c = self.calibration
         seen = LatencyPrediction(p.ttft_s * 1000, p.tpot_s * 1000, p.ttft_mean_s * 1000, p.tpot_mean_s * 1000,
-                                 calibrated) if p is not None else None
+                                 c is not None and c.ready("ttft"), c is not None and c.ready("tpot")) if p is not None else None
         return replace(decision, policy=self.name, prediction=seen)
 
     # everything else is today's policy's

@@ -67,6 +67,26 @@ def test_a_changed_regime_is_followed_within_a_window():
     assert 0.85 <= _coverage(c, mean, observed, mean) <= 0.95
 
 
+def test_the_level_adapts_to_keep_nine_in_ten_covered_while_the_load_drifts():
+    """The hops grow all along (a rising rate): a trailing window's p90 lags them; fed whether each
+    request was covered, the level rises until nine in ten are again (adaptive conformal inference)."""
+
+    def run(adapt: bool) -> tuple[float, float]:
+        rng, c, covered = np.random.default_rng(0), Calibration(), []
+        for t in range(1500):
+            mean = rng.uniform(0.01, 1.0)
+            observed = mean * rng.lognormal(0.0, 0.3) + (0.01 + 0.3 * t / 1500) * rng.uniform(0.5, 1.5)
+            ready, bound = c.ready("ttft"), c.p90("ttft", mean, mean)
+            if ready:
+                covered.append(observed <= bound)
+            c.observe("ttft", mean, observed, (observed <= bound) if adapt and ready else None)
+        return float(np.mean(covered)), c.level("ttft")
+
+    (plain, plain_level), (adaptive, level) = run(False), run(True)
+    assert plain_level == 0.9 and plain < 0.88
+    assert 0.88 <= adaptive <= 0.92 and level > 0.9
+
+
 def test_observations_that_are_not_times_are_ignored():
     c = Calibration()
     for bad in ((-1.0, 0.1), (0.1, -1.0), (math.nan, 0.1), (0.1, math.inf)):
@@ -89,10 +109,11 @@ def test_the_slo_policy_predicts_with_the_calibration_and_says_so():
     assert calibrated.ttft_mean_s == raw.ttft_mean_s and calibrated.ttft_s > 5 * raw.ttft_s
     assert calibrated.tpot_s == raw.tpot_s  # no TPOT observed yet: the step model's p90
     d = SloPolicy(make_policy("affinity", seed=0), c).decide(route, [view])
-    assert d.prediction.calibrated and d.prediction.ttft_ms == calibrated.ttft_s * 1000
+    assert d.prediction.ttft_calibrated and not d.prediction.tpot_calibrated
+    assert d.prediction.ttft_ms == calibrated.ttft_s * 1000
     assert d.prediction.ttft_mean_ms == raw.ttft_mean_s * 1000 > 0
     plain = SloPolicy(make_policy("affinity", seed=0)).decide(route, [view])
-    assert not plain.prediction.calibrated and plain.prediction.ttft_ms == raw.ttft_s * 1000
+    assert not plain.prediction.ttft_calibrated and plain.prediction.ttft_ms == raw.ttft_s * 1000
 
 
 def test_a_judged_request_feeds_its_models_calibration():
@@ -109,9 +130,15 @@ def test_a_judged_request_feeds_its_models_calibration():
     assert fed.observed("ttft") == 1 and fed.observed("tpot") == 1
     assert list(fed._scores["ttft"].pairs) == [(0.15, 10.4 - 10.1)]
     assert list(fed._scores["tpot"].pairs)[0][0] == 0.02
+    missed = SloWatch(Objectives(ttft_ms=1000), model, "tenant", "standard", arrival=10.0, choices=1)
+    missed.routing(10.1)  # routed with a calibrated TTFT p90 of 200 ms, observed 300: a miss raises the level
+    missed.prediction = LatencyPrediction(200.0, 30.0, 150.0, 20.0, ttft_calibrated=True)
+    missed.ended(0, 10.4, tokens=1)
+    missed.close()
+    assert fed.level("ttft") > 0.9 and fed.level("tpot") == 0.9 and fed.observed("ttft") == 2
     older = SloWatch(Objectives(ttft_ms=1000), model, "tenant", "standard", arrival=10.0, choices=1)
     older.routing(10.1)
     older.prediction = LatencyPrediction(200.0, 30.0)  # no mean (a router of an older revision): not fed
     older.ended(0, 10.4, tokens=1)
     older.close()
-    assert fed.observed("ttft") == 1
+    assert fed.observed("ttft") == 2

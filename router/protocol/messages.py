@@ -78,7 +78,7 @@ class RouteDecision(msgspec.Struct, frozen=True, omit_defaults=True):
         if self.prediction is not None:
             out["predicted_ttft_ms"] = round(self.prediction.ttft_ms, 1)
             out["predicted_tpot_ms"] = round(self.prediction.tpot_ms, 1)
-            out["prediction_calibrated"] = self.prediction.calibrated
+            out["prediction_calibrated"] = self.prediction.ttft_calibrated
         return out
 
 

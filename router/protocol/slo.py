@@ -37,4 +37,6 @@ class LatencyPrediction(msgspec.Struct, frozen=True):
     tpot_ms: float
     ttft_mean_ms: float = 0.0
     tpot_mean_ms: float = 0.0
-    calibrated: bool = False  # the TTFT p90 from the gateway's observations, not the step model's
+    # each p90 from the gateway's observations (router/latency_calibration.py), not the step model's
+    ttft_calibrated: bool = False
+    tpot_calibrated: bool = False
