@@ -14,6 +14,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
+from copy import deepcopy
 from dataclasses import dataclass, field
 
 from router.costs.adapter_memory import LoraConfig
@@ -24,12 +25,14 @@ from router.policy import Policy
 from router.protocol.media import DISK, HOST
 from router.sim.audit import RoutingAudit
 from router.sim.metrics import PolicyResult, percentile, window_imbalance
+from router.sim.pd_engine import run_pd
 from router.sim.replica import Job, SimReplica
 from router.sim.router_config import SimRouterConfig
 from router.sim.sim_router import SimClock, SimRouter
 from router.sim.tiers import TierConfig
 from router.sim.workload import SimRequest
 
+PD_THRESHOLD_TOKENS = 512  # llm-d's prefix-based-pd-decider default: uncached tokens that pay a hand-over
 _PREFILL_DONE = 0
 _FINISH = 1
 
@@ -47,12 +50,25 @@ class SimConfig:
     router: SimRouterConfig = field(default_factory=SimRouterConfig)  # the live router's options
     tiers: TierConfig = field(default_factory=TierConfig)  # each replica's host and disk tiers
     lora: LoraConfig = field(default_factory=LoraConfig)  # each replica's LoRA adapters in host memory
+    # prefill/decode split (router/sim/pd_engine.py): 0/0 is colocated, as always; a split needs
+    # prefill_replicas + decode_replicas == replicas
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    pd_threshold_tokens: int = PD_THRESHOLD_TOKENS  # hand over only prompts with more uncached on the decode replica
+    step_model: bool = False  # decode steps stretched by prefills on their replica (always, with a split)
+    objectives: dict[str, tuple[float, float]] = field(default_factory=dict)  # class -> (TTFT s, TPOT s): goodput
 
 
 def run_policy(requests: list[SimRequest], policy: Policy, config: SimConfig,
                audit: RoutingAudit | None = None) -> PolicyResult:
     """Replay `requests` under `policy`. With `audit`, every decision is also recorded there
-    (router/sim/audit.py; `audit.summarize` after the run); without it nothing is."""
+    (router/sim/audit.py; `audit.summarize` after the run); without it nothing is. A config
+    with roles or the step model runs in router/sim/pd_engine.py (no audit there)."""
+    if config.prefill_replicas or config.decode_replicas or config.step_model:
+        if audit is not None:
+            raise ValueError("the routing audit does not cover prefill/decode runs")
+        # the prefill replicas' own instance of the policy, in its state before the run
+        return run_pd(requests, policy, deepcopy(policy), config)
     index = InMemoryIndex()
     reps = [
         SimReplica(f"r{i}", config.capacity_blocks, config.block_size, config.service, index, config.transfer,

@@ -31,6 +31,29 @@ def window_imbalance(work: list[list[float]], q: float = 95.0) -> float:
 
 
 @dataclass
+class PdStats:
+    prefill_replicas: int
+    decode_replicas: int
+    threshold_tokens: int
+    measured: int  # requests the figures are over (warm-up excluded)
+    handed_over: int  # of those, prefilled on a prefill replica and handed over
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    transfer_mean_s: float  # modelled K/V transfer time per handed-over request
+    transfer_p99_s: float
+    transfer_mb_per_request: float  # K/V moved per measured request (all of them)
+    goodput_rps: float = math.nan  # requests meeting both objectives per second (nan: no objectives)
+    attainment: float = math.nan  # share of the judged requests meeting both
+    classes: dict[str, dict[str, float]] = field(default_factory=dict)  # per class: n, ttft/tpot p99, attainment
+
+    @property
+    def handed_share(self) -> float:
+        return self.handed_over / self.measured if self.measured else 0.0
+
+
+@dataclass
 class PolicyResult:
     policy: str
     replicas: int
@@ -57,6 +80,7 @@ class PolicyResult:
     adapter_requests: int = 0  # served under a LoRA adapter
     adapter_loads: int = 0  # of those, the ones whose replica read the adapter from disk first
     lora_aware: bool = True  # the router hashed and priced adapters (False: the blind baseline)
+    pd: PdStats | None = None  # step model or prefill/decode split: TPOT, hand-overs, goodput (router/sim/pd_metrics.py)
 
     @property
     def hit_rate(self) -> float:
@@ -96,6 +120,10 @@ class PolicyResult:
         else:  # a run without adapters writes what it wrote before they were modelled
             for key in ("adapter_requests", "adapter_loads", "lora_aware"):
                 del d[key]
+        if self.pd is None:  # a colocated run writes what it wrote before roles were modelled
+            del d["pd"]
+        else:
+            d["pd"]["handed_share"] = self.pd.handed_share
         d["hit_rate"] = self.hit_rate
         d["local_hit_rate"] = self.local_hit_rate
         d |= {f"{where}_hit_rate": v for where, v in self.tier_shares.items()}

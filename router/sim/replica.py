@@ -182,10 +182,15 @@ class SimReplica:
         pull_left = max(job.arrival + job.pull_s - now, 0.0)
         job.adapter_read = self.adapters.use(req.adapter)  # resident from now on
         job.adapter_load_s = self.adapters.config.load_ms / 1000 if job.adapter_read else 0.0
-        dur = job.tier_s + pull_left + job.adapter_load_s + self.service.prefill_s(job.uncached, self.decoding)
+        dur = job.tier_s + pull_left + job.adapter_load_s + self.prefill_time(job.uncached)
         self.current, self.cur_start, self.cur_end = job, now, now + dur
         self.busy_s += dur
         return self.cur_end
+
+    def prefill_time(self, uncached: int) -> float:
+        """The compute part of a prefill of `uncached` tokens starting now (the service model's,
+        the decode batch sampled at the start); router/sim/pd_replica.py steps it instead."""
+        return self.service.prefill_s(uncached, self.decoding)
 
     def export_run(self, hashes: list[int], limit: int, local: int = 0, mode: str = "keep") -> int:
         """A pull from this replica, as the request reaches the puller: the leading run of

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SESSION_MODES = ("none", "prefix2")
+WARMUP = "warmup"  # SimRequest.kind of requests that warm caches and are left out of the figures
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class SimRequest:
     # under an adapter: the blocks' keys as the base model has them (what a router that ignores
     # adapters hashes); `hashes` are then the keys rooted at the adapter's identity
     base_hashes: list[int] | None = None
+    kind: str | None = None  # its class in a mix (router/sim/pd_workload.py); WARMUP: not measured
 
 
 def load_mooncake(path: str | Path, *, sessions: str = "none", limit: int | None = None) -> list[SimRequest]:
