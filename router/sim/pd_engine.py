@@ -75,9 +75,11 @@ def roles(config: SimConfig) -> list[str]:
     return [PREFILL] * p + [DECODE] * d
 
 
-def run_pd(requests: list[SimRequest], policy: Policy, prefill_policy: Policy, config: SimConfig) -> PolicyResult:
+def run_pd(requests: list[SimRequest], policy: Policy, prefill_policy: Policy, config: SimConfig,
+           jobs_out: list[PdJob] | None = None, replicas_out: list[PdReplica] | None = None) -> PolicyResult:
     """Replay `requests`: `policy` picks decode replicas, `prefill_policy` (another instance)
-    prefill replicas."""
+    prefill replicas. `jobs_out` and `replicas_out`, if given, receive every finished request and
+    the replicas (for tests and inspection)."""
     role_of = roles(config)
     bs = config.block_size
     indexes = {PREFILL: InMemoryIndex(), DECODE: InMemoryIndex()}
@@ -179,6 +181,10 @@ def run_pd(requests: list[SimRequest], policy: Policy, prefill_policy: Policy, c
     advance(math.inf)
     assert all(not r.queue and r.current is None and r.decoding == 0 and not r.handovers for r in reps)
 
+    if jobs_out is not None:
+        jobs_out.extend(finished)
+    if replicas_out is not None:
+        replicas_out.extend(reps)
     measured = [j for j in finished if j.req.kind != WARMUP]
     ttfts = [j.ttft for j in measured]
     first = next((r.arrival for r in requests if r.kind != WARMUP), 0.0) / config.time_scale
