@@ -144,6 +144,7 @@ BENCHES = {
     "noisy-neighbour": ("loadtest.bench.noisy_neighbour", "flow control: a quiet tenant's TTFT beside a flood, off and on"),
     "overload": ("loadtest.bench.overload", "flow control under 3x overload: complete or 429 before the first byte"),
     "goodput": ("loadtest.bench.goodput", "goodput: requests/s meeting TTFT and TPOT objectives on a fixed mix, slo vs default vs least-loaded"),
+    "pd": ("loadtest.bench.pd_bench", "prefill/decode split against colocated serving, live; --kill-prefill-every for faults"),
 }
 
 

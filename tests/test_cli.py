@@ -29,6 +29,7 @@ HELP = {
     ("bench", "lora-routing"): ["prefixgate bench lora-routing", "--adapters", "--max-cpu-loras"],
     ("bench", "noisy-neighbour"): ["prefixgate bench noisy-neighbour", "--flood-tier", "--quiet-tier", "--modes", "--ingress"],
     ("bench", "goodput"): ["prefixgate bench goodput", "--seed", "--window", "--modes", "--length-scale"],
+    ("bench", "pd"): ["prefixgate bench pd", "--prefill-replicas", "--decode-replicas", "--kill-prefill-every", "--pd-threshold-tokens"],
     ("bench", "overload"): ["prefixgate bench overload", "--factor", "--queue-wait-s", "--capacity-clients", "--ingress"],
     ("sim",): ["prefixgate sim", "--replicas", "--capacity", "--limit", "--policies", "--host-blocks"],
     ("loadtest",): ["prefixgate loadtest", "run", "compare", "summarize", "plot"],
