@@ -70,7 +70,6 @@ ENGINE_DTYPES = MODEL_DTYPES  # what our engine loads a model in (replica/backen
 MODEL_KEYS = ("name", "path", "replicas", "engine", "lora_adapters", "autoscaling", "block_size", "num_blocks",
               "kv_cache_mb", "max_model_len", "max_num_seqs", "prefill_replicas", "decode_replicas")
 ROLE_COUNTS = ("prefill_replicas", "decode_replicas")
-ROLE_ENGINES = ("model", "sim")  # the engines that hand a prompt's K/V over (replica/kv_io/handover.py)
 
 
 @dataclass
@@ -272,7 +271,7 @@ class AppConfig:
         return self.prefill_replicas > 0 or self.decode_replicas > 0
 
     def check_roles(self) -> None:
-        """Role counts: both or neither, on an engine that hands over, with fixed counts."""
+        """Role counts: both or neither, with fixed counts (whether the engine hands over: its spec's rule)."""
         if self.prefill_replicas < 0 or self.decode_replicas < 0:
             raise ValueError("prefill_replicas and decode_replicas must be >= 0")
         if not self.split:
@@ -280,9 +279,6 @@ class AppConfig:
         if self.prefill_replicas < 1 or self.decode_replicas < 1:
             raise ValueError(f"prefill_replicas ({self.prefill_replicas}) and decode_replicas ({self.decode_replicas}) "
                              "go together: a model with roles needs at least one replica of each")
-        if self.engine not in ROLE_ENGINES:
-            raise ValueError(f"prefill_replicas / decode_replicas: engine {self.engine!r} cannot hand a prompt's K/V "
-                             f"over (engines that can: {', '.join(ROLE_ENGINES)})")
         if self.autoscaling:
             raise ValueError("prefill_replicas / decode_replicas take fixed counts: autoscaling is not available with roles")
         if self.pd_threshold_tokens < 0 or not self.handover_timeout_s > 0:

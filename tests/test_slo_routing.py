@@ -300,11 +300,17 @@ def test_a_request_with_objectives_is_routed_by_headroom_live(slo_routing_app):
 
     url, audit = slo_routing_app
     headers = {"x-slo-ttft-ms": "1", "x-slo-tpot-ms": "3600000"}
+    # a prompt of its own: the module's other live test sends loose objectives (decisions by `slo`
+    # with today's reasons), told apart in the audit by their prompt's length
+    own = [{"role": "user", "content": "Name three rivers that cross more than two countries, please."}]
+    prompt_tokens = 0
 
     def routed_by_slo() -> dict | None:
+        nonlocal prompt_tokens
         ask(url, "none", max_tokens=16)  # work for the step models to learn from, without objectives
-        answer = ask(url, "none", headers, max_tokens=4)
+        answer = ask(url, "none", headers, max_tokens=4, messages=own)
         assert answer.status_code == 200, answer.text
+        prompt_tokens = answer.json()["usage"]["prompt_tokens"]
         route = answer.json()["prefixgate"]["route"]
         return route if route["policy"] == "slo" and "predicted_ttft_ms" in route else None
 
@@ -313,7 +319,7 @@ def test_a_request_with_objectives_is_routed_by_headroom_live(slo_routing_app):
 
     def audited() -> list[Decision]:
         return [r for r in read_dir(audit) if isinstance(r, Decision) and r.route.policy == "slo"
-                and r.route.prediction is not None] or None
+                and r.route.prediction is not None and r.prompt_tokens == prompt_tokens] or None
 
     decisions = wait_until("the slo decision in the routing audit", audited, timeout_s=120)
     assert {d.route.reason for d in decisions} == {"slo"}

@@ -46,6 +46,7 @@ from loadtest.bench.goodput_mix import TOKEN_IDS, Request
 from loadtest.bench.goodput_score import Outcome
 from loadtest.bench.stack_options import add_config_option, config_overrides
 from loadtest.summary import percentile
+from replica.backends.engines import engine_spec
 
 ARMS = ("colocated", "split")
 # per engine: (long prompt tokens, short prompt tokens, rate req/s); the bundled model on CPU
@@ -274,8 +275,8 @@ def arm_config(args: argparse.Namespace, arm: str) -> AppConfig:
              else {"replicas": args.prefill_replicas + args.decode_replicas})
     base = dict(engine=args.engine, max_model_len=4096, pd_threshold_tokens=args.pd_threshold_tokens,
                 redis_url="auto", key_prefix=f"pdbench-{arm}")
-    if args.engine == "sim":
-        base["num_blocks"] = 4096  # a pool of blocks, not of a model's memory
+    if engine_spec(args.engine).default_num_blocks is not None:
+        base["num_blocks"] = 4096  # an engine whose pool is counted in blocks, not sized from a model's memory
     return AppConfig(**{**base, **config_overrides(args), **roles})
 
 

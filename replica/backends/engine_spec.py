@@ -32,7 +32,8 @@ class EngineSpec(abc.ABC):
     kv_tiers: ClassVar[bool] = True  # takes kv_host_mb / kv_disk_mb (our K/V tiers, docs/kv-tiers.md)
     dtype: ClassVar[bool] = False  # takes `dtype` (our engine's weights and K/V dtype)
     compile: ClassVar[bool] = False  # takes `compile` (our engine's compiled forward)
-    # where the engine's own equivalent of a setting it refuses is set: "kv_tiers", "dtype", "compile"
+    handover: ClassVar[bool] = True  # hands a prompt's K/V from a prefill replica to a decode one (roles)
+    # where the engine's own equivalent of a setting it refuses is set: "kv_tiers", "dtype", "compile", "handover"
     elsewhere: ClassVar[dict[str, str]] = {}
 
     def check(self, config: Any) -> None:
@@ -46,6 +47,9 @@ class EngineSpec(abc.ABC):
         if config.compile and not self.compile:
             raise ValueError(f"compile is our engine's compiled forward; engine {self.name} has none"
                              + self._elsewhere("compile"))
+        if (config.prefill_replicas or config.decode_replicas) and not self.handover:
+            raise ValueError(f"prefill_replicas / decode_replicas: engine {self.name!r} cannot hand a prompt's K/V "
+                             "over between replicas yet" + self._elsewhere("handover"))
 
     def _elsewhere(self, rule: str) -> str:
         return f" ({self.elsewhere[rule]})" if rule in self.elsewhere else ""

@@ -35,6 +35,7 @@ class VllmSpec(EngineSpec):
     settings_type = VllmEngineSettings
     default_block_size = VLLM_BLOCK_MULTIPLE  # its CPU backend needs a multiple of 32; 32 everywhere
     kv_tiers = False
+    handover = False  # vLLM's KV connectors (docs/prefill-decode.md): not wired yet
     elsewhere = {
         "kv_tiers": "vLLM's own offloading reports its medium in its KV events, which the index keeps",
         "dtype": "vLLM's own: --vllm dtype=bfloat16",
