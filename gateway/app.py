@@ -107,7 +107,7 @@ def replica_settings(config: AppConfig, model_id: str) -> ReplicaSettings:
     return ReplicaSettings(engine=config.engine_settings(model_id), redis_url=config.redis_url,
                            key_prefix=config.key_prefix, index_buckets=config.index_buckets,
                            publish_depth=config.publish_depth, torch_threads=config.torch_threads,
-                           kv_pull_timeout_s=config.kv_pull_timeout_s,
+                           kv_pull_timeout_s=config.kv_pull_timeout_s, handover_timeout_s=config.handover_timeout_s,
                            stream_interval_s=config.stream_interval_ms / 1000, audit_dir=config.audit_dir)
 
 

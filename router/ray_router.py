@@ -143,7 +143,7 @@ class PrefixGateRouter(RequestRouter):
                              objectives=req.objectives, priority=req.priority)
         self._calibrate()
         routed = await self._decide(route, by_id)
-        if self.prefill is not None:
+        if self.prefill is not None and routed.decision.pull is None:  # a pull copies the prefix already
             chosen = routed.decision
             source = await self.prefill.pick(hashes, route.num_prompt_tokens, routed.matched.get(chosen.replica_id, 0),
                                              self.block_size, req.priority)

@@ -176,7 +176,7 @@ def test_every_router_option_reaches_the_router_from_a_config_file():
     kwargs = router_config(config, "my-model").request_router_kwargs
     assert kwargs == {**changed, "model_id": "my-model", "prefill_key_prefix": None}
     RouterOptions(**kwargs)  # what PrefixGateRouter.initialize_state builds
-    roles = {**changed, "engine": "sim", "prefill_replicas": 1, "decode_replicas": 2}
+    roles = {**changed, "engine": "sim", "prefill_replicas": 1, "decode_replicas": 2, "handover_timeout_s": 7.5}
     assert router_config(AppConfig.from_dict(roles), "m").request_router_kwargs["prefill_key_prefix"] == "cfg:prefill"
 
     from gateway.app import build_app
@@ -192,6 +192,7 @@ def test_every_router_option_reaches_the_router_from_a_config_file():
     decode = ReplicaSettings.from_dict(split["PrefixCacheReplica"].init_args[0])
     prefill = ReplicaSettings.from_dict(split["PrefixCacheReplica-prefill"].init_args[0])
     assert (decode.role, decode.prefill_deployment, decode.key_prefix) == ("decode", "PrefixCacheReplica-prefill", "cfg")
+    assert decode.handover_timeout_s == 7.5  # the setting reaches the replicas that wait on it
     assert (prefill.role, prefill.key_prefix) == ("prefill", "cfg:prefill")
 
 
