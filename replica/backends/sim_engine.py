@@ -41,7 +41,7 @@ from router.costs.tier_costs import copy_s, tier_rate
 from router.protocol.messages import GenerateRequest, KvSource
 from router.protocol.sampling import SamplingParams
 
-__all__ = ["SimEngine", "StepLag", "fake_token_text"]
+__all__ = ["ManualClock", "SimEngine", "StepLag", "fake_token_text"]
 
 LAG_LIMIT = 0.10  # a step more than 10% over its modelled time counts as lagging
 _LAG_BUCKETS = 1000  # histogram of actual/modelled in 1% buckets, last one open-ended
@@ -132,6 +132,21 @@ class _WordDetokenizer(Detokenizer):
         return None
 
 
+class ManualClock:
+    """A clock that moves only when slept on: a SimEngine on it runs its modelled time at once, and
+    every time it reads (arrivals, steps, objectives, the step model) is the modelled one, the
+    same on any machine however busy (tests of what the engine decides from time)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.0)
+
+
 class ServiceSleep:
     """The simulated forward pass (a StepExecutor): sleep what the service model says the step
     costs, then draw each sequence's deterministic fake token."""
@@ -144,9 +159,9 @@ class ServiceSleep:
     def execute(self, chunks, admitted):
         e = self.engine
         self.wall = e.modelled_step_s(chunks, admitted) / e.config.time_scale
-        remaining = self.start + self.wall - time.monotonic()
+        remaining = self.start + self.wall - e.clock()
         if remaining > 0:
-            time.sleep(remaining)
+            e.wait(remaining)
         samplers = [c.seq for c in chunks if c.samples]
         return samplers, [e.fake_token(seq) for seq in samplers], [None] * len(samplers)
 
@@ -154,8 +169,10 @@ class ServiceSleep:
 class SimEngine(EngineCore):
     """Our engine (replica/core/engine_core.py) with its forward pass replaced by ServiceSleep."""
 
-    def __init__(self, config: SimEngineConfig | None = None, **kwargs) -> None:
+    def __init__(self, config: SimEngineConfig | None = None, *, clock: ManualClock | None = None, **kwargs) -> None:
+        """`clock`: a ManualClock to run on modelled time (None: the wall clock, steps slept)."""
         self.config = config = config or SimEngineConfig(**kwargs)
+        self.wait = clock.sleep if clock is not None else time.sleep
         if config.time_scale <= 0:
             raise ValueError("time_scale must be positive")
         self.service = config.service_model()
@@ -168,6 +185,7 @@ class SimEngine(EngineCore):
             detokenizer=_WordDetokenizer(), executor=self.sleep,
             host_blocks=int(config.host_blocks), disk_blocks=int(config.disk_blocks), mover=None,
             max_loras=config.max_loras, long_prefill_token_threshold=config.long_prefill_token_threshold,
+            clock=clock if clock is not None else time.monotonic,
         )
 
         self.lag = StepLag()
@@ -218,7 +236,7 @@ class SimEngine(EngineCore):
             wait_s += self.config.lora_load_ms / 1000
         if wait_s:
             self.requests[seq.request_id] = seq
-            self._pulling.append((time.monotonic() + wait_s / self.config.time_scale, seq, pull if missing else 0))
+            self._pulling.append((self.clock() + wait_s / self.config.time_scale, seq, pull if missing else 0))
         else:
             self.enqueue(seq)
         return seq.request_id
@@ -228,7 +246,7 @@ class SimEngine(EngineCore):
         the BlockManager as if computed (begin/finish_import, events to the index included), so
         the scheduler finds them as hits. The holder is assumed to still hold them (this process
         cannot see its cache)."""
-        now = time.monotonic()
+        now = self.clock()
         due = [p for p in self._pulling if p[0] <= now]  # waits differ: not always the first ones
         for item in due:
             self._pulling.remove(item)
@@ -309,7 +327,7 @@ class SimEngine(EngineCore):
         return usage
 
     def step(self) -> list[RequestOutput]:
-        now = time.monotonic()
+        now = self.clock()
         # when the previous step left work, this one was due at that step's modelled end: a
         # late wake-up counts as lag, and a short late run is made up by sleeping less now
         start = self.sleep.start = self._due if self._due is not None and self._due <= now else now
@@ -319,9 +337,9 @@ class SimEngine(EngineCore):
         if self._steps == steps:  # nothing was scheduled
             self._due = None
             if self._pulling:  # idle until the next transfer lands: sleep, never spin
-                time.sleep(min(max(self._pulling[0][0] - time.monotonic(), 0.0), 0.01))
+                self.wait(min(max(self._pulling[0][0] - self.clock(), 0.0), 0.01))
             return outputs
-        self.lag.record(self.sleep.wall, time.monotonic() - start)
+        self.lag.record(self.sleep.wall, self.clock() - start)
         self._due = start + self.sleep.wall if self.scheduler.has_work else None
         return outputs
 

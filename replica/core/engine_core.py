@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -58,10 +59,14 @@ class EngineCore:
     def __init__(self, *, model_id: str, block_size: int, num_blocks: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, vocab_size: int, eos_token_ids: set[int],
                  detokenizer: Detokenizer, executor: StepExecutor, host_blocks: int = 0, disk_blocks: int = 0,
-                 mover: TierMover | None = None, max_loras: int = 0, long_prefill_token_threshold: int = 0) -> None:
+                 mover: TierMover | None = None, max_loras: int = 0, long_prefill_token_threshold: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """host_blocks / disk_blocks: the K/V tiers below the pool (replica/kvcache/kv_tiers.py); `mover`
         holds their bytes and runs the copies (None: the tiers are bookkeeping only, the
-        simulated replica's case). max_loras: LoRA adapters in one batch (0: no adapters)."""
+        simulated replica's case). max_loras: LoRA adapters in one batch (0: no adapters).
+        `clock`: the seconds every time of a request and of a step is read from (arrival, first
+        token, step time, objectives); a manual clock makes a simulated engine deterministic."""
+        self.clock = clock
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -74,7 +79,7 @@ class EngineCore:
         self.adapter_slots = AdapterSlots(max_loras) if max_loras else None
         self.adapters: dict[str, AdapterRef] = {}  # served LoRA adapters by name
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold),
-                                   self.blocks, self.adapter_slots)
+                                   self.blocks, self.adapter_slots, clock=clock)
         self.detokenizer = detokenizer
         self.executor = executor
         self.requests: dict[str, Sequence] = {}
@@ -184,7 +189,7 @@ class EngineCore:
             sent = len(seq.output_text) if request.prefix_text_len is None else request.prefix_text_len
             seq.emitted_text_len = max(0, min(sent, len(seq.output_text)))
         seq.table.hashes = block_hashes(seq.token_ids, self._block_size, seq.hash_seed)
-        seq.arrival_time = time.monotonic()
+        seq.arrival_time = self.clock()
         return seq
 
     def enqueue(self, seq: Sequence) -> None:
@@ -215,7 +220,7 @@ class EngineCore:
         if not chunks:
             return []
         self.apply_tier_moves()  # blocks promoted for this step hold their K/V before it runs
-        scheduled = time.monotonic()
+        scheduled = self.clock()
         for c in chunks:
             self._scheduled_at.setdefault(c.seq.request_id, scheduled)
         writing = self._start_writeback()
@@ -230,7 +235,7 @@ class EngineCore:
                 self.blocks.finish_writeback(ok=failed is None)
         self.scheduler.commit(chunks)
         self._steps += 1
-        now = time.monotonic()
+        now = self.clock()
         self.step_totals.record(now - scheduled, *chunk_shape(chunks), len(admitted))
         self.scheduler.sizer.learn(self.step_totals, now)  # the step model objectives size steps by
         outputs: list[RequestOutput] = []
@@ -296,7 +301,7 @@ class EngineCore:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         scheduled_at = self._scheduled_at.pop(seq.request_id, None) if seq.is_finished else None
-        return request_output(seq, self.detokenizer.emittable(seq), scheduled_at)
+        return request_output(seq, self.detokenizer.emittable(seq), scheduled_at, self.clock())
 
     def generate(
         self,

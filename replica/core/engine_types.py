@@ -8,7 +8,6 @@ loading either.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -91,7 +90,7 @@ class TierUsage:
     promotion_bytes_per_s: int = 0  # measured rate of its copies back into the pool (0: none yet)
 
 
-def request_output(seq: Sequence, text: str, scheduled_at: float | None) -> RequestOutput:
+def request_output(seq: Sequence, text: str, scheduled_at: float | None, now: float) -> RequestOutput:
     """What a step tells a sequence's caller: the text and token ids new since the last output,
     the usage so far, and on the last output the request's timings. Shared by LLMEngine and
     SimEngine so both account identically (the fleet harness compares them)."""
@@ -104,7 +103,7 @@ def request_output(seq: Sequence, text: str, scheduled_at: float | None) -> Requ
     if seq.is_finished:
         metrics = RequestMetrics(
             arrival_time=seq.arrival_time, first_scheduled_time=scheduled_at,
-            first_token_time=seq.first_token_time, finished_time=time.monotonic(),
+            first_token_time=seq.first_token_time, finished_time=now,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=max(seq.num_cached_tokens, 0),
             num_generation_tokens=seq.num_output_tokens, num_preemptions=seq.num_preemptions,
         )

@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from replica.core.adapter_slots import AdapterSlots
@@ -63,8 +64,9 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterSlots | None = None,
-                 sizer: StepSizer | None = None) -> None:
+                 sizer: StepSizer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # the engine's clock (EngineCore): objectives are judged on it
         self.blocks = blocks
         self.adapters = adapters
         self.sizer = sizer if sizer is not None else StepSizer(config.max_num_batched_tokens)
@@ -110,7 +112,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         budget = self.config.max_num_batched_tokens
         preempted = False
-        now = time.monotonic()
+        now = self.clock()
         cap = self.sizer.prefill_cap(self.running, now)
         prefill_left = budget if cap is None else cap  # prefill tokens the objectives leave this step
         urgent = self.sizer.urgent(now)
