@@ -29,11 +29,13 @@ model's rows of a batch that also runs adapters would get the adapter in vLLM's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ from replica.core.request_metrics import RequestMetrics
 from replica.core.step_timings import StepTotals
 from replica.default_model import resolve_model
 from replica.engine_config import EngineConfig
+from replica.kv_io.handover import ConnectorKv
 from router.protocol.events import KVEventListener
 from router.protocol.hashing import block_hashes
 from router.protocol.lora import AdapterError, AdapterRef, adapter_ref, weights_file
@@ -58,6 +61,8 @@ from router.protocol.sampling import SamplingParams
 from router.vllm_events import EventTranslator, pump_events
 
 log = logging.getLogger("prefixgate.replica.vllm")
+HANDOVER_KEY = "prefixgate_handover"  # kv_transfer_params: a hand-over's id (replica/backends/vllm_connector.py)
+SWEEP_EVERY_S = 30.0  # how often a decode replica looks for the files of hand-overs given up on
 LORA_RESIDENCY_S = 1.0  # how often the adapters vLLM holds are read for the heartbeat
 IDLE_GAP_S = 2.0  # between two step reports, longer than this is the engine idle, not one step
 
@@ -74,6 +79,9 @@ class _Scheduler:
         self.hit_tokens = 0
         self.preemptions = 0
         self.steps = 0
+        # vLLM's KV connector (roles): prompt tokens it was asked for and tokens it loaded
+        self.connector_queried_tokens = 0
+        self.connector_hit_tokens = 0
         # vLLM's steps for the router's latency model: a step's time is the gap since the previous
         # report while the engine had work (an idle gap is no step), its prefill the prompt tokens
         # it computed, its rows the tokens it generated, its context the K/V in use
@@ -98,6 +106,10 @@ class _Scheduler:
                     cache = scheduler_stats.prefix_cache_stats
                     state.queried_tokens += cache.queries
                     state.hit_tokens += cache.hits
+                    external = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
+                    if external is not None:
+                        state.connector_queried_tokens += external.queries
+                        state.connector_hit_tokens += external.hits
                 if iteration_stats is not None:
                     state.preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
                     pool = self.vllm_config.cache_config
@@ -140,9 +152,69 @@ class _InFlight:
     priority: int = 0  # the request's (vLLM's scheduling priority)
 
 
+@dataclass
+class HandoverLoads:
+    """A decode replica's hand-overs as its vLLM took them (info()["handover_loads"])."""
+
+    asked: int = 0  # requests started with a hand-over's kv_transfer_params
+    loaded: int = 0  # ... whose first output reported the handed-over tokens as cached (loaded, not computed)
+    missed: int = 0  # ... that vLLM computed all the same (its files gone, or the prompt not the one saved)
+    tokens: int = 0  # tokens vLLM reported cached on those requests
+    deleted: int = 0  # hand-over folders deleted once loaded (or not needed)
+    swept: int = 0  # folders of hand-overs given up on, deleted as stale
+
+
+class HandoverFiles:
+    """The directory vLLM's KV connector saves hand-overs in (one per model and app, set on both
+    roles: replica/backends/vllm_spec.py), as a decode replica tidies it: a hand-over's folder is
+    deleted once its request has its first output (its K/V loaded in that step), and folders older
+    than twice the hand-over timeout (hand-overs given up on, whose prefill finished after) are
+    swept at most every SWEEP_EVERY_S, at a hand-over's start."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.realpath(root)
+        self.stats = HandoverLoads()
+        self._swept_at = 0.0
+        os.makedirs(self.root, exist_ok=True)
+
+    def delete(self, path: str | None) -> None:
+        if not path or os.path.dirname(os.path.realpath(path)) != self.root:  # only a folder of ours
+            return
+        shutil.rmtree(path, ignore_errors=True)
+        self.stats.deleted += 1
+
+    def sweep(self, older_than_s: float) -> int:
+        now = time.time()
+        if now - self._swept_at < SWEEP_EVERY_S:
+            return 0
+        self._swept_at = now
+        n = 0
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return 0
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False) and now - e.stat().st_mtime > older_than_s:
+                    shutil.rmtree(e.path, ignore_errors=True)
+                    n += 1
+            except OSError:  # deleted meanwhile
+                continue
+        self.stats.swept += n
+        return n
+
+
+def kv_transfer_config(settings: VllmSettings) -> Any:
+    """engine_args' `kv_transfer_config` as vLLM's KVTransferConfig (a Serve config gives a dict)."""
+    from vllm.config import KVTransferConfig
+
+    given = settings.engine_args.get("kv_transfer_config")
+    return KVTransferConfig(**given) if isinstance(given, dict) else given
+
+
 class VllmBackend:
     def __init__(self, engine, facts: ModelFacts, translator: EventTranslator, events: zmq.asyncio.Socket,
-                 figures: _Scheduler, lora: bool = False) -> None:
+                 figures: _Scheduler, lora: bool = False, handover_dir: str | None = None) -> None:
         self.engine = engine  # vllm.v1.engine.async_llm.AsyncLLM
         self.facts = facts
         self.capabilities = Capabilities(kv_export=False, kv_import=False, logprobs=True, grammar=True, continuation=True,
@@ -160,6 +232,8 @@ class VllmBackend:
         self._generated = 0
         self._stopped = False
         self._token_text = None
+        # with roles: the directory vLLM's KV connector saves hand-overs in (None: no connector)
+        self.handover_files = HandoverFiles(handover_dir) if handover_dir else None
         self._lora_ids: dict[str, int] = {}  # adapter identity -> vLLM's lora_int_id (stable, from 1)
         self._lora_loads: dict[str, asyncio.Future] = {}  # identity -> its add_lora (done: vLLM took it)
         # what the heartbeat tells routers of vLLM's adapter cache: the identities it holds
@@ -202,6 +276,7 @@ class VllmBackend:
                 else:
                     lora["worker_extension_cls"] = f"{__name__}.{CpuLoraFix.__qualname__}"
                     mask_base_rows = True
+        connector = kv_transfer_config(settings)
         args = AsyncEngineArgs(
             model=model_dir, served_model_name=[model_id], dtype=settings.dtype, enforce_eager=settings.enforce_eager,
             block_size=config.block_size, num_gpu_blocks_override=config.num_blocks, enable_prefix_caching=True,
@@ -210,8 +285,14 @@ class VllmBackend:
             gpu_memory_utilization=settings.gpu_memory_utilization, seed=settings.seed, disable_log_stats=False,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"),
             # scheduling_policy: the gateway's service tiers arrive as each request's priority
-            **{"scheduling_policy": "priority", **lora, **settings.engine_args},
+            # kv_transfer_config: vLLM's KV connector, which roles set (replica/backends/vllm_spec.py)
+            kv_transfer_config=connector,
+            **{"scheduling_policy": "priority", **lora,
+               **{k: v for k, v in settings.engine_args.items() if k != "kv_transfer_config"}},
         )
+        handover_dir = None
+        if connector is not None and connector.kv_connector_module_path == "replica.backends.vllm_connector":
+            handover_dir = connector.get_from_extra_config("shared_storage_path", None)
         figures = _Scheduler()
         try:
             engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[figures.logger_factory()])
@@ -232,7 +313,7 @@ class VllmBackend:
             num_blocks=int(vc.cache_config.num_gpu_blocks or 0),
         )
         translator = EventTranslator(model_id, facts.block_size, depth=10**9)  # the publisher applies the depth
-        backend = cls(engine, facts, translator, events, figures, lora=config.lora)
+        backend = cls(engine, facts, translator, events, figures, lora=config.lora, handover_dir=handover_dir)
         for name, path in config.lora_adapters.items():  # refused at start, naming the file, as on our engine
             try:
                 await backend.add_adapter(adapter_ref(name, path))
@@ -272,10 +353,38 @@ class VllmBackend:
     async def generate(self, request: GenerateRequest, kv_prefix: Any = None) -> AsyncIterator[RequestOutput]:
         """A migrated stream (`request.prefix_output_token_ids`) continues as a longer prompt: vLLM
         computes or hits the earlier output, and the text the client has not seen yet leads the
-        first delta. No pulls reach it (its capabilities declare none), so `kv_prefix` and the
-        pull hint are unread. Under a LoRA adapter, vLLM loads it first if it has not taken it yet
-        (its refusal is an InvalidRequestError with vLLM's words). What our engines refuse is
+        first delta. No pulls reach it (its capabilities declare none); `kv_prefix` is a hand-over
+        (ConnectorKv, replica/kv_io/handover.py) or None: with one, vLLM loads the prompt's K/V the
+        prefill replica saved (`do_remote_prefill`) and the files are deleted once it has (the
+        request's first output). Under a LoRA adapter, vLLM loads it first if it has not taken it
+        yet (its refusal is an InvalidRequestError with vLLM's words). What our engines refuse is
         refused the same way (a 400 naming the field) before vLLM sees the request."""
+        transfer = None
+        if isinstance(kv_prefix, ConnectorKv) and self.handover_files is not None:
+            transfer = {**kv_prefix.params, "do_remote_prefill": True, "do_remote_decode": False}
+        async with contextlib.aclosing(self._run(request, transfer, kv_prefix if transfer is not None else None)) as outs:
+            async for out in outs:  # closed with this stream: the request is aborted in vLLM at once
+                yield out
+
+    async def prefill_for_handover(self, request: GenerateRequest) -> dict[str, Any] | None:
+        """A prefill replica's part of a hand-over (replica/kv_io/handover.py prefill_and_export):
+        `request` (one output token) runs with `do_remote_decode`, so vLLM's KV connector saves the
+        prompt's K/V as it computes it; the finished output's kv_transfer_params (the folder,
+        `saved_tokens`, `bytes`) are the answer. None without a connector (nothing saved)."""
+        if self.handover_files is None:
+            raise InvalidRequestError("this vLLM replica runs no KV connector: it cannot hand a prompt over")
+        sink: dict[str, Any] = {}
+        transfer = {"do_remote_decode": True, HANDOVER_KEY: request.request_id}
+        async with contextlib.aclosing(self._run(request, transfer, None, sink)) as outs:
+            async for out in outs:
+                if out.finished:
+                    break
+        return sink.get("kv_transfer_params")
+
+    async def _run(self, request: GenerateRequest, transfer: dict[str, Any] | None, handover: ConnectorKv | None,
+                   sink: dict[str, Any] | None = None) -> AsyncIterator[RequestOutput]:
+        """`generate` with vLLM's `kv_transfer_params` (`transfer`); the finished output's own
+        kv_transfer_params go into `sink`."""
         if self._stopped:
             raise EngineDeadError("engine is shut down")
         f = self.facts
@@ -287,6 +396,8 @@ class VllmBackend:
             raise InvalidRequestError(f"duplicate request id {request_id}")
         try:
             vllm_params = self.sampling_params(params, len(prefix))
+            if transfer is not None:
+                vllm_params.extra_args = {**(vllm_params.extra_args or {}), "kv_transfer_params": transfer}
         except ValueError as e:  # vLLM's own checks (e.g. a schema its grammar backend refuses)
             raise InvalidRequestError(str(e)) from None
         lora_request = await self._lora_request(adapter) if adapter is not None else None
@@ -320,6 +431,9 @@ class VllmBackend:
                 new_ids = list(o.token_ids)
                 if new_ids and state.first_token is None:
                     state.first_token = time.monotonic()
+                    if handover is not None:  # its K/V was loaded (or computed) in the step that made this token
+                        self._handover_loaded(handover, int(out.num_cached_tokens or 0))
+                        handover = None
                 self._generated += len(new_ids)
                 token_ids.extend(new_ids)
                 new_text = unsent + o.text
@@ -336,6 +450,8 @@ class VllmBackend:
                     finish_reason=_finish_reason(o.finish_reason) if finished else None,
                     logprobs=self._logprobs(new_ids, o.logprobs, params.logprobs) if params.logprobs is not None else None,
                 )
+                if finished and sink is not None:
+                    sink["kv_transfer_params"] = out.kv_transfer_params
                 if finished:
                     # vLLM's engine-core timestamps are time.monotonic() too (one clock per machine)
                     scheduled = getattr(out.metrics, "scheduled_ts", 0.0) or None
@@ -352,6 +468,20 @@ class VllmBackend:
             raise EngineDeadError("vLLM ended the stream without a final output")
         finally:
             self._forget(request_id)
+
+    def _handover_loaded(self, handover: ConnectorKv, cached: int) -> None:
+        """A handed-over request's first output: vLLM has loaded its K/V (or computed it), so its
+        files go. Loaded when vLLM reports the handed-over tokens as cached (a load counts there)."""
+        files = self.handover_files
+        files.stats.asked += 1
+        files.stats.tokens += cached
+        if cached >= handover.tokens:
+            files.stats.loaded += 1
+        else:
+            files.stats.missed += 1
+            log.info("hand-over %s: vLLM reported %d cached tokens of %d handed over (computed)",
+                     handover.params.get(HANDOVER_KEY), cached, handover.tokens)
+        files.delete(handover.params.get("path"))
 
     # ---- LoRA adapters ---------------------------------------------------------------------
     async def add_adapter(self, adapter: AdapterRef) -> None:
@@ -527,8 +657,13 @@ class VllmBackend:
         import vllm
 
         loaded = sorted(i for i, f in self._lora_loads.items() if f.done() and not f.cancelled() and f.exception() is None)
-        return {"vllm_version": vllm.__version__, "kv_events": dataclasses.asdict(self.translator.stats),
-                "lora_adapters": loaded}
+        extra = {"vllm_version": vllm.__version__, "kv_events": dataclasses.asdict(self.translator.stats),
+                 "lora_adapters": loaded}
+        if self.handover_files is not None:  # roles: vLLM's KV connector's own counts, and the loads
+            fig = self.figures
+            extra["kv_connector"] = {"queried_tokens": fig.connector_queried_tokens, "hit_tokens": fig.connector_hit_tokens,
+                                     "dir": self.handover_files.root, **dataclasses.asdict(self.handover_files.stats)}
+        return extra
 
     def add_listener(self, listener: KVEventListener) -> None:
         self._listeners.append(listener)

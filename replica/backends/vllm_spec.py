@@ -5,7 +5,10 @@ what vLLM would refuse at a replica's start is refused when the config loads."""
 
 from __future__ import annotations
 
+import re
+import tempfile
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -35,7 +38,7 @@ class VllmSpec(EngineSpec):
     settings_type = VllmEngineSettings
     default_block_size = VLLM_BLOCK_MULTIPLE  # its CPU backend needs a multiple of 32; 32 everywhere
     kv_tiers = False
-    handover = False  # vLLM's KV connectors (docs/prefill-decode.md): not wired yet
+    handover = True  # through vLLM's own KV connector (replica/backends/vllm_connector.py, docs/vllm.md)
     elsewhere = {
         "kv_tiers": "vLLM's own offloading reports its medium in its KV events, which the index keeps",
         "dtype": "vLLM's own: --vllm dtype=bfloat16",
@@ -61,9 +64,16 @@ class VllmSpec(EngineSpec):
             msgspec.convert(dict(config.vllm), VllmSettings)
         except msgspec.ValidationError as e:
             raise ValueError(f"vllm: {e}") from None
+        if _split(config) and "kv_transfer_config" in (config.vllm.get("engine_args") or {}):
+            raise ValueError("vllm: engine_args.kv_transfer_config is prefixgate's with prefill_replicas / "
+                             "decode_replicas (vLLM's file-based KV connector for the hand-over, docs/vllm.md); "
+                             "another connector is not supported with roles")
 
     def settings(self, config: Any, model_id: str) -> VllmEngineSettings:
         knobs = {"cpu_kvcache_gib": max(1, -(-config.kv_cache_mb // 1024)), **dict(config.vllm)}
+        if _split(config):  # both roles' engines run the hand-over's connector on one directory
+            knobs["engine_args"] = {**knobs.get("engine_args", {}),
+                                    "kv_transfer_config": handover_connector(handover_dir(config.key_prefix, model_id))}
         return VllmEngineSettings(engine_config(config, model_id), VllmSettings(**knobs))
 
     def actor_options(self, config: Any) -> dict[str, Any]:
@@ -74,6 +84,24 @@ class VllmSpec(EngineSpec):
         from replica.backends.vllm_backend import VllmBackend
 
         return await VllmBackend.create(settings.config, settings.vllm, torch_threads)
+
+
+def _split(config: Any) -> bool:
+    return bool(getattr(config, "prefill_replicas", 0) or getattr(config, "decode_replicas", 0))
+
+
+def handover_dir(key_prefix: str, model_id: str) -> str:
+    """Where a model's hand-overs are saved: one directory per app (its key prefix) and model
+    under the machine's temp directory, which every replica of a one-machine stack reads."""
+    safe = [re.sub(r"[^A-Za-z0-9._-]", "_", part) for part in (key_prefix, model_id)]
+    return str(Path(tempfile.gettempdir()) / "prefixgate-pd" / safe[0] / safe[1])
+
+
+def handover_connector(directory: str) -> dict[str, Any]:
+    """vLLM's kv_transfer_config for the hand-over: its file-based ExampleConnector as
+    replica/backends/vllm_connector.py narrows it, saving and loading on every replica."""
+    return {"kv_connector": "PrefixgateHandoverConnector", "kv_connector_module_path": "replica.backends.vllm_connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": directory}}
 
 
 VLLM = VllmSpec()

@@ -15,6 +15,10 @@ theirs: replica/kv_io/kv_pull.py ReplicaCaller):
                 add (our engine); the sim engine, which moves no bytes, models their transfer
                 as a pull hint from the prefill replica. The engine computes the prompt's last
                 token and decodes from there.
+  on vLLM       its own KV connector moves the K/V (replica/backends/vllm_connector.py): the
+                prefill replica's vLLM saves the prompt's K/V as it computes it, its answer
+                carries vLLM's `kv_transfer_params` (no bytes through Ray), and the decode
+                replica's vLLM loads them with `do_remote_prefill` (ConnectorKv).
 
 Blocks are pinned on the prefill replica only while they are copied: once in the object store,
 the decode replica owns its copy, and the prefill replica's cached blocks are ordinary cache
@@ -58,15 +62,37 @@ def prefill_request(request: GenerateRequest) -> GenerateRequest:
 @dataclass
 class HandoverResult:
     """The prefill side's answer: the K/V bytes (our engine; None where the engine moves none, or
-    none of the blocks were still held) and the prompt's blocks it computed."""
+    none of the blocks were still held) and the prompt's blocks it computed. On vLLM the bytes
+    go through its KV connector instead, and `kv_transfer_params` is what vLLM's prefill request
+    returned for the decode replica's vLLM to load them (replica/backends/vllm_connector.py)."""
 
     kv: Any
     num_blocks: int
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class ConnectorKv:
+    """What a decode replica on vLLM starts a handed-over request from: the prefill request's
+    `kv_transfer_params` (the connector's folder, `saved_tokens`, `bytes`), which its backend
+    passes to vLLM with `do_remote_prefill` so that vLLM loads the K/V instead of computing it."""
+
+    params: dict[str, Any]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.params.get("saved_tokens") or 0)
 
 
 async def prefill_and_export(backend: Any, puller: KvPuller | None, request: GenerateRequest, first: int) -> HandoverResult:
     """On the prefill replica: run `request` (a prefill_request) to its one token, then export the
-    blocks from `first` on (the decode replica holds the ones before)."""
+    blocks from `first` on (the decode replica holds the ones before). A backend with its own
+    connector (vLLM: `prefill_for_handover`) saves the prompt's K/V itself while it runs it."""
+    connector = getattr(backend, "prefill_for_handover", None)
+    if connector is not None:
+        params = await connector(request)
+        bs = backend.facts.block_size
+        return HandoverResult(None, (len(request.prompt_token_ids) - 1) // bs, kv_transfer_params=params)
     async with contextlib.aclosing(backend.generate(request)) as outputs:
         async for out in outputs:
             if out.finished:
@@ -120,11 +146,15 @@ class Handover:
     """A decode replica's side: asks the decision's prefill replica, by id, for the prompt's K/V."""
 
     def __init__(self, caller: ReplicaCaller, block_size: int, held: Any, moves_bytes: bool,
-                 timeout_s: float = HANDOVER_TIMEOUT_S, metrics: HandoverMetrics | None = None) -> None:
+                 timeout_s: float = HANDOVER_TIMEOUT_S, metrics: HandoverMetrics | None = None,
+                 connector: Any = None) -> None:
         self.caller = caller  # the prefill deployment's replicas
         self.block_size = block_size
         self.held = held  # the engine's hash -> block map: the leading blocks it holds are not asked for
         self.moves_bytes = moves_bytes  # our engine imports K/V bytes; the sim engine models the transfer
+        # vLLM: its KV connector moves the K/V (replica/backends/vllm_backend.py HandoverFiles: the
+        # hand-over's files, deleted once loaded, and swept when a hand-over was given up on)
+        self.connector = connector
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.stats = HandoverStats()
@@ -141,6 +171,8 @@ class Handover:
             while first < n and hashes[first] in self.held:
                 first += 1
         self.stats.asked += 1
+        if self.connector is not None:
+            self.connector.sweep(2 * self.timeout_s)  # the files of hand-overs given up on (timeout, failure)
         start = time.perf_counter()
         try:
             result = await asyncio.wait_for(
@@ -153,7 +185,13 @@ class Handover:
             log.info("hand-over from %s failed: %s", source.replica_id, self.stats.last_error)
             return self._outcome("failed")
         seconds = time.perf_counter() - start
-        if self.moves_bytes:
+        if self.connector is not None:
+            params = result.kv_transfer_params
+            kv = ConnectorKv(params) if params else None
+            if kv is None or kv.tokens == 0:
+                return self._outcome("empty")
+            tokens, nbytes = kv.tokens, int(params.get("bytes") or 0)
+        elif self.moves_bytes:
             kv = result.kv
             if kv is None or kv.num_blocks == 0:
                 return self._outcome("empty")
@@ -196,4 +234,4 @@ def for_replica(backend: Any, puller: KvPuller | None, prefill_deployment: str, 
     facts = backend.facts
     held = backend.engine.engine.blocks.hash_to_block if puller is not None else {}
     return Handover(caller, facts.block_size, held, moves_bytes=puller is not None, timeout_s=timeout_s,
-                    metrics=HandoverMetrics(facts.model_id))
+                    metrics=HandoverMetrics(facts.model_id), connector=getattr(backend, "handover_files", None))
