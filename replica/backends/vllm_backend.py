@@ -12,7 +12,10 @@ cached-token count.
 Nothing here is CPU-only: on a CUDA machine the same code runs vLLM proper (the CPU-only
 settings, `VLLM_CPU_*`, are ignored there). vLLM cannot export or import K/V blocks the way
 replica/kv_io/kv_pull.py moves them, so the capabilities say no and the router never sends a pull
-hint here. Imported only inside a vLLM replica (the vLLM venv: docs/vllm.md).
+hint here. With roles, a prompt's K/V is handed from a prefill replica to a decode one through
+vLLM's own KV connector instead (replica/backends/vllm_connector.py): `prefill_for_handover` on
+the prefill side, `generate` with a ConnectorKv on the decode side, HandoverFiles tidying the
+files. Imported only inside a vLLM replica (the vLLM venv: docs/vllm.md).
 
 LoRA (a replica whose EngineConfig has adapters or enable_lora): vLLM's own LoRA support, started
 with its max_loras / max_lora_rank / max_cpu_loras. vLLM keys an adapter's K/V by its name and
@@ -168,8 +171,8 @@ class HandoverFiles:
     """The directory vLLM's KV connector saves hand-overs in (one per model and app, set on both
     roles: replica/backends/vllm_spec.py), as a decode replica tidies it: a hand-over's folder is
     deleted once its request has its first output (its K/V loaded in that step), and folders older
-    than twice the hand-over timeout (hand-overs given up on, whose prefill finished after) are
-    swept at most every SWEEP_EVERY_S, at a hand-over's start."""
+    than twice the hand-over timeout, and at least 5 minutes (hand-overs given up on, whose prefill
+    finished after), are swept at most every SWEEP_EVERY_S, at a hand-over's start."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.realpath(root)
@@ -178,8 +181,8 @@ class HandoverFiles:
         os.makedirs(self.root, exist_ok=True)
 
     def delete(self, path: str | None) -> None:
-        if not path or os.path.dirname(os.path.realpath(path)) != self.root:  # only a folder of ours
-            return
+        if not path or os.path.dirname(os.path.realpath(path)) != self.root or not os.path.isdir(path):
+            return  # only a folder of ours, still there
         shutil.rmtree(path, ignore_errors=True)
         self.stats.deleted += 1
 

@@ -16,8 +16,9 @@ saved before and loads every prompt whose folder exists:
 - the load covers the tokens the save wrote (the prompt's full blocks but its last token):
   ExampleConnector looked one token shorter, so a prompt whose length is 1 more than a multiple
   of the block size was never found.
-- a prompt is saved only when the step that computes it computes all of it (a prompt split over
-  steps by `max_num_batched_tokens` is not saved: the decode replica computes it).
+- a prompt is saved in the step that computes its last chunk, all its blocks at once (a prompt
+  split over steps by `max_num_batched_tokens`: the earlier chunks' K/V is in the pool by then);
+  ExampleConnector saved at a request's first step, so only what that step computed.
 - a request loads once: one resumed after a preemption computes again (its files may be gone).
 - the prefill request's finished output carries the hand-over's `kv_transfer_params`: the
   folder, the tokens saved and the bytes written (`saved_tokens` 0: nothing saved).
@@ -54,7 +55,8 @@ class PrefixgateHandoverConnector(ExampleConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._stores: dict[str, str] = {}  # request id -> hand-over id: save this prompt
-        self._saved: dict[str, int] = {}  # request id -> tokens saved (its whole prompt ran in one step)
+        self._saved: dict[str, int] = {}  # request id -> tokens saved (in the step its prompt's last chunk ran)
+        self._pending: dict[str, tuple[list[int], list[int]]] = {}  # to save, prompt not all run: (tokens, blocks)
 
     # ---- scheduler side --------------------------------------------------------------------
     def _folder(self, prompt: list[int], handover: str) -> str:
@@ -92,13 +94,18 @@ class PrefixgateHandoverConnector(ExampleConnector):
                 handover = self._requests_need_load.pop(rid).kv_transfer_params[HANDOVER_KEY]
                 meta.add_request(tokens, new.block_ids[0], bs, is_store=False, mm_hashes=[handover])
             elif rid in self._stores and rid not in self._saved:
-                whole = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(rid, 0) >= len(tokens)
-                n = saved_tokens(len(tokens), bs)
-                if whole and n > 0:
-                    meta.add_request(tokens, new.block_ids[0], bs, is_store=True, mm_hashes=[self._stores[rid]])
-                    self._saved[rid] = n
+                self._pending[rid] = (tokens, list(new.block_ids[0]))
+                self._save_if_run(meta, rid, new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(rid, 0))
         cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):  # resumed after a preemption with a load planned
+        for i, rid in enumerate(cached.req_ids):
+            if rid in self._pending:  # a prompt to save, computed in chunks: its blocks so far
+                tokens, blocks = self._pending[rid]
+                added = cached.new_block_ids[i]
+                if added is not None:
+                    blocks = list(added[0]) if rid in cached.resumed_req_ids else blocks + list(added[0])
+                self._pending[rid] = (tokens, blocks)
+                self._save_if_run(meta, rid, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[rid])
+            # resumed after a preemption with a load planned
             if rid not in self._requests_need_load or rid not in cached.resumed_req_ids:
                 continue
             request = self._requests_need_load.pop(rid)
@@ -108,7 +115,20 @@ class PrefixgateHandoverConnector(ExampleConnector):
         self._requests_need_load.clear()
         return meta
 
+    def _save_if_run(self, meta: ExampleConnectorMetadata, rid: str, run_after_step: int) -> None:
+        """Save the prompt in this step if it computes the prompt's last chunk (the K/V of every
+        slot is in the pool once the step's attention has run: save_kv_layer reads it then)."""
+        tokens, blocks = self._pending[rid]
+        if run_after_step < len(tokens):
+            return
+        del self._pending[rid]
+        n = saved_tokens(len(tokens), self._block_size)
+        if n > 0:
+            meta.add_request(tokens, blocks, self._block_size, is_store=True, mm_hashes=[self._stores[rid]])
+            self._saved[rid] = n
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._pending.pop(request.request_id, None)
         handover = self._stores.pop(request.request_id, None)
         n = self._saved.pop(request.request_id, 0)
         if handover is None:

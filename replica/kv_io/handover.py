@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("prefixgate.replica.handover")
 
 OUTCOMES = ("ok", "empty", "timeout", "failed")
+SWEEP_AFTER_S = 300.0  # vLLM: a hand-over's files left this long (at least) are a given-up hand-over's
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -172,7 +173,8 @@ class Handover:
                 first += 1
         self.stats.asked += 1
         if self.connector is not None:
-            self.connector.sweep(2 * self.timeout_s)  # the files of hand-overs given up on (timeout, failure)
+            # the files of hand-overs given up on (timeout, failure): long past any load of theirs
+            self.connector.sweep(max(2 * self.timeout_s, SWEEP_AFTER_S))
         start = time.perf_counter()
         try:
             result = await asyncio.wait_for(
