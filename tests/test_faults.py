@@ -267,7 +267,9 @@ def test_flood_gets_429_and_admitted_requests_finish(guarded):
         finished = itertools.count()
         async with httpx.AsyncClient(timeout=180) as client:
             async def one(i):
-                body = {"model": MODEL, "max_tokens": 24, "messages": [{"role": "user", "content": f"Count to ten, take {i}."}]}
+                # 48 tokens whatever the model says: the admitted ones outlast the flood's arrival
+                body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True,
+                        "messages": [{"role": "user", "content": f"Count to ten, take {i}."}]}
                 r = await client.post(f"{guarded}/v1/chat/completions", json=body, headers=headers)
                 return r, next(finished)  # the order in which answers arrived
             return await asyncio.gather(*(one(i) for i in range(24)))

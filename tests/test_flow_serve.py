@@ -81,7 +81,7 @@ def test_a_quiet_tenant_goes_ahead_of_a_queued_flood(flow_app):
     long_prompt = "Tell me everything about the history of railways in every country. " * 40
 
     async def flood_one(http: httpx.AsyncClient, i: int) -> None:
-        body = _body(f"{i} {long_prompt}", 48, stream=True)
+        body = _body(f"{i} {long_prompt}", 96, stream=True)  # about 4 s: the quiet request's way in
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body, headers=_auth("sk-flood")) as r:
             assert r.status_code == 200, await r.aread()
             events.append(("flood", i))  # its headers: its first token was produced

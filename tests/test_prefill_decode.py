@@ -47,7 +47,8 @@ def test_roles_from_a_serve_config_and_their_refusals():
     refused = {
         "replicas": {"engine": "sim", "replicas": 2, "prefill_replicas": 1, "decode_replicas": 1},
         "go together": {"engine": "sim", "prefill_replicas": 1},
-        "engine 'vllm' cannot hand": {"engine": "vllm", "prefill_replicas": 1, "decode_replicas": 1},
+        "another connector is not supported": {"engine": "vllm", "prefill_replicas": 1, "decode_replicas": 1,
+                                               "vllm": {"engine_args": {"kv_transfer_config": {"kv_connector": "X"}}}},
         "autoscaling is not available": {"engine": "sim", "prefill_replicas": 1, "decode_replicas": 1,
                                          "autoscaling": {"min_replicas": 1, "max_replicas": 2}},
     }
@@ -141,10 +142,11 @@ def sim_app(stack, redis_server):
 
     prefix = f"pdsim-{uuid.uuid4().hex[:6]}"
     # prefills slow enough (4 ms a token: 1.3 s for 320) that a hand-over is still running when the
-    # test kills its prefill replica
+    # test kills its prefill replica; a 10 s timeout well past that (a loaded machine must not
+    # time those out) and well short of a 4,000-token prompt's 16 s
     config = AppConfig(engine="sim", prefill_replicas=1, decode_replicas=1, redis_url=redis_server.url,
                        key_prefix=prefix, num_blocks=2048, block_size=BS, max_model_len=4096, redis_timeout_s=1.0,
-                       pd_threshold_tokens=64, handover_timeout_s=60.0, sim_service={"prefill_s_per_token": 0.004})
+                       pd_threshold_tokens=64, handover_timeout_s=10.0, sim_service={"prefill_s_per_token": 0.004})
     with side_app(stack, SIM_APP, config) as base:
         yield SimpleNamespace(url=base, prefill_keys=RedisKeys(f"{prefix}:prefill"),
                               redis=redis.Redis.from_url(redis_server.url, decode_responses=True),
@@ -235,6 +237,55 @@ def test_a_prefill_replica_killed_mid_hand_over_loses_no_request(sim_app):
 
     wait_until("hand-overs from the replacement prefill replica", resumed, timeout_s=300)
     assert _handover_stats(sim_app, decode)["ok"] > before["ok"]
+
+
+def _prefill_stats(app, rid: str) -> dict | None:
+    """A prefill replica's engine stats; None for one that is gone (a heartbeat outlives it)."""
+    try:
+        return asyncio.run(ReplicaCaller(app.prefill_deployment).call(rid, "info"))["stats"]
+    except Exception:
+        return None
+
+
+def test_a_hand_over_past_its_timeout_stops_on_the_prefill_replica(sim_app):
+    """A prompt whose prefill takes longer than the hand-over timeout (16 s modelled against
+    10 s): the decode replica gives up and computes it itself (the client gets its answer), and
+    the prefill replica's request is cancelled (ReplicaCaller cancels the Ray call), ending there
+    without its one output token instead of running on unread. (A client that leaves cancels the
+    decode replica's request, and Ray cancels the calls it made with it.)"""
+    import threading
+
+    def routed() -> dict | None:
+        route = _complete(sim_app.url, _prompt(20 * BS))["prefixgate"]["route"]
+        return route if "prefill_from" in route else None
+
+    decode = wait_until("a hand-over to learn the decode replica from", routed, timeout_s=180)["replica"]
+    start = _handover_stats(sim_app, decode)
+    done: dict = {}
+    sender = threading.Thread(target=lambda: done.update(body=_complete(sim_app.url, _prompt(250 * BS))))
+    sender.start()
+
+    def computing() -> tuple[str, dict] | None:  # asked of a prefill replica, which has it in hand
+        if _handover_stats(sim_app, decode)["asked"] == start["asked"]:
+            return None
+        for rid in _prefill_beats(sim_app):
+            stats = _prefill_stats(sim_app, rid)
+            if stats is not None and stats["running"] > 0:
+                return rid, stats
+        return None
+
+    busy, before = wait_until("the prefill replica computing the long prompt", computing, timeout_s=120)
+    wait_until("the hand-over timed out", lambda: _handover_stats(sim_app, decode)["timeouts"] > start["timeouts"],
+               timeout_s=120)
+
+    def idle() -> dict | None:
+        stats = _prefill_stats(sim_app, busy)
+        return stats if stats is not None and stats["running"] + stats["waiting"] == 0 else None
+
+    after = wait_until("the prefill replica idle again", idle, timeout_s=120)
+    assert after["generated_tokens"] == before["generated_tokens"]  # stopped before its one token
+    sender.join(timeout=300)
+    assert "body" in done, "the request whose hand-over timed out did not complete"
 
 
 # ---- live: the real model --------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def test_a_priority_request_leaves_the_replicas_queue_before_earlier_flex_ones(s
     config = AppConfig(
         redis_url=stack.config.redis_url, key_prefix=prefix, engine="sim", replicas=1, num_blocks=512,
         block_size=16, max_model_len=4096, max_num_seqs=1, max_ongoing_requests=16, redis_timeout_s=1.0,
-        sim_service={"decode_step_s": 0.03},  # a flex request decodes for about a second
+        sim_service={"decode_step_s": 0.03},  # a flex request decodes for 3 s: the urgent one's way in
     )
     keys = RedisKeys(prefix)
     client = redis.Redis.from_url(stack.config.redis_url, decode_responses=True)
@@ -50,7 +50,7 @@ def test_a_priority_request_leaves_the_replicas_queue_before_earlier_flex_ones(s
 
     async def run(url: str) -> int:
         async with httpx.AsyncClient(timeout=300) as http:
-            flex = [asyncio.create_task(one(http, url, f"flex-{i}", 32, service_tier="flex")) for i in range(FLEX)]
+            flex = [asyncio.create_task(one(http, url, f"flex-{i}", 100, service_tier="flex")) for i in range(FLEX)]
             deadline = time.monotonic() + 120  # guards a hang only
             while waiting() < FLEX - 1:
                 assert time.monotonic() < deadline, "the flex requests never queued in the replica"

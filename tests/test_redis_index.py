@@ -94,7 +94,7 @@ def test_dead_replica_stops_counting_and_is_collected(redis_url, prefix):
     keys = RedisKeys(prefix)
 
     async def scenario():
-        dead = FakeReplica(redis_url, prefix, "dead", ttl=0.5)
+        dead = FakeReplica(redis_url, prefix, "dead")  # the default TTL: a stall here must not expire it early
         live = [FakeReplica(redis_url, prefix, f"live{i}") for i in range(3)]
         for r in (dead, *live):
             r.publisher.start()
@@ -104,8 +104,8 @@ def test_dead_replica_stops_counting_and_is_collected(redis_url, prefix):
             hashes = dead.run(list(range(16)))
             await eventually(lambda: _matched(index, hashes, "dead", 4))
             await dead.publisher.stop(unregister=False)  # a crash: nothing cleaned up by the replica
-            # heartbeat TTL 0.5 s + one GC period (0.2 s): about 0.6 s on a quiet machine; the
-            # deadline only bounds the wait on a busy one
+            client.pexpire(keys.heartbeat("dead"), 1)  # its heartbeat's TTL runs out now
+            # one GC period (0.2 s) on a quiet machine; the deadline only bounds the wait on a busy one
             await eventually(lambda: _matched(index, hashes, "dead", 0), timeout=15)
             await eventually(_async(lambda: not client.exists(keys.blocks("dead"))), timeout=5)
             await eventually(_async(lambda: b"dead" not in client.smembers(keys.replicas)), timeout=5)
@@ -198,7 +198,7 @@ def test_routers_share_what_they_just_sent(redis_url, prefix):
             hashes = block_hashes(list(range(40)), BS, 0)  # 10 blocks
             await IndexWriter(await a._open_guarded(), a.keys).apply("ra", [("+", hashes[:3], DEVICE)])
             await b.lookup(hashes)  # router B connected (a first connection can take a while)
-            await a.mark_inflight(hashes[3:], "rx", ttl_ms=1500)
+            await a.mark_inflight(hashes[3:], "rx", ttl_ms=5000)  # outlives a stall before the next lookup
             look = await b.lookup(hashes)
             assert {rid: e.matched_blocks for rid, e in look.replicas.items()} == {"ra": 3, "rx": 10}
             await eventually(lambda: _matched(b, hashes, "rx", 0), timeout=10)  # the TTL ended
@@ -269,17 +269,23 @@ def test_one_late_reply_costs_one_lookup_and_late_replies_in_a_row_trip_the_cool
     cool-down instead of making every request pay the timeout."""
 
     async def main():
-        index = RedisIndex(RedisConfig(redis_server.url, prefix, timeout_s=0.05, cooldown_s=30.0, timeouts_to_trip=3))
+        # healthy lookups get 1 s (a busy machine is not a slow Redis); the paused ones 50 ms, and
+        # the pauses are long enough that every paused lookup is sent while they last
+        config = RedisConfig(redis_server.url, prefix, timeout_s=1.0, cooldown_s=30.0, timeouts_to_trip=3)
+        index = RedisIndex(config)
         sync = redis.Redis.from_url(redis_server.url)
         hashes = block_hashes(list(range(64)), BS, 0)
         try:
             await index.lookup(hashes)  # connected, script loaded
-            sync.client_pause(300)  # every other client's commands wait 0.3 s from now
+            config.timeout_s = 0.05
+            sync.client_pause(2000)  # every other client's commands wait 2 s from now
             with pytest.raises(IndexUnavailable):
                 await index.lookup(hashes)
             await asyncio.to_thread(sync.ping)  # answered once the pause is over
+            config.timeout_s = 1.0
             await index.lookup(hashes)  # one late reply did not trip the cool-down
-            sync.client_pause(2000)
+            config.timeout_s = 0.05
+            sync.client_pause(4000)
             for _ in range(3):
                 with pytest.raises(IndexUnavailable, match="Timeout"):
                     await index.lookup(hashes)

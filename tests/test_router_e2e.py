@@ -149,6 +149,7 @@ def test_redis_outage_routes_stale_then_recovers(stack, redis_server):
             break
         assert time.monotonic() < deadline, "the router never used the index again after Redis came back"
         time.sleep(0.2)
+    wait_idle(stack, settled=True)  # the probes' load gone from every heartbeat the router reads
     r = ask("Can I change my address?", f"up-{tag}")
     assert r.headers["x-prefixgate-route"] == "prefix"
     assert r.headers["x-prefixgate-replica"] == holder

@@ -141,9 +141,18 @@ class ReplicaCaller:
                                             app_name=self.deployment_id.app_name, is_streaming=streaming))
 
     async def call(self, replica_id: str, method: str, *args: Any) -> Any:
+        """The method's result. A call given up on here (its timeout, or the client gone: the
+        awaiting task cancelled) is cancelled on the replica too, so the work it asked for (a
+        hand-over's prefill, a pull's copy) stops there instead of running to its end unread."""
         actor = await self._actor(replica_id)
+        ref = actor.handle_request.remote(self.metadata(method), *args)
         try:
-            return await actor.handle_request.remote(self.metadata(method), *args)
+            return await ref
+        except asyncio.CancelledError:
+            import ray
+
+            ray.cancel(ref)  # Serve cancels the method's task on the replica (CancelledError there)
+            raise
         except Exception:
             self._actors.pop(replica_id, None)  # dead or replaced: look it up again next time
             raise
