@@ -24,6 +24,7 @@ MEMBERS_REFRESH_S.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 from router.index.redis_index import IndexUnavailable, RedisIndex
@@ -48,6 +49,7 @@ class PrefillPicker:
         self._reading: asyncio.Task | None = None
         self.picks = 0
         self.skipped = {"short": 0, "no_replica": 0, "index": 0}  # why decisions had no prefill pick
+        self._rng = random.Random()  # breaks ties between equally costed prefill replicas
 
     async def pick(self, hashes: list[int], prompt_tokens: int, decode_matched_blocks: int,
                    block_size: int, priority: int = 0) -> KvSource | None:
@@ -87,7 +89,9 @@ class PrefillPicker:
         else:
             def cost(rid: str) -> float:  # a replica without a step model yet: prefill tokens ahead of its end
                 return uncached[rid] + int((self.loads.get(rid) or {}).get("pending_prefill_tokens", 0))
-        best = min(live, key=lambda rid: (cost(rid), rid))
+        # equal costs (idle replicas, heartbeats not yet showing the last pick) are broken at
+        # random: by id, prompts sent one at a time to idle replicas all went to the first
+        best = min(live, key=lambda rid: (cost(rid), self._rng.random()))
         self.picks += 1
         return KvSource(best, handed)
 

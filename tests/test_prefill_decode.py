@@ -130,6 +130,11 @@ def test_the_prefill_pick_weighs_held_blocks_against_queued_prefill(redis_server
     client.delete(keys.heartbeat("idle"), keys.heartbeat("holder"))  # no heartbeat: not a candidate
     none, picker = asyncio.run(pick(64, 0))
     assert none is None and picker.skipped["no_replica"] == 1
+    # two idle replicas holding nothing: the picks spread over both (by id, all went to one)
+    _publish(client, keys, "twin-a", [], pending=0)
+    _publish(client, keys, "twin-b", [], pending=0)
+    picked = {asyncio.run(pick(64, 0))[0].replica_id for _ in range(24)}
+    assert picked == {"twin-a", "twin-b"}
 
 
 # ---- live: sim replicas ---------------------------------------------------------------------------
