@@ -64,14 +64,14 @@ class VllmSpec(EngineSpec):
             msgspec.convert(dict(config.vllm), VllmSettings)
         except msgspec.ValidationError as e:
             raise ValueError(f"vllm: {e}") from None
-        if _split(config) and "kv_transfer_config" in (config.vllm.get("engine_args") or {}):
+        if config.split and "kv_transfer_config" in (config.vllm.get("engine_args") or {}):
             raise ValueError("vllm: engine_args.kv_transfer_config is prefixgate's with prefill_replicas / "
                              "decode_replicas (vLLM's file-based KV connector for the hand-over, docs/vllm.md); "
                              "another connector is not supported with roles")
 
     def settings(self, config: Any, model_id: str) -> VllmEngineSettings:
         knobs = {"cpu_kvcache_gib": max(1, -(-config.kv_cache_mb // 1024)), **dict(config.vllm)}
-        if _split(config):  # both roles' engines run the hand-over's connector on one directory
+        if config.split:  # both roles' engines run the hand-over's connector on one directory
             knobs["engine_args"] = {**knobs.get("engine_args", {}),
                                     "kv_transfer_config": handover_connector(handover_dir(config.key_prefix, model_id))}
         return VllmEngineSettings(engine_config(config, model_id), VllmSettings(**knobs))
@@ -84,10 +84,6 @@ class VllmSpec(EngineSpec):
         from replica.backends.vllm_backend import VllmBackend
 
         return await VllmBackend.create(settings.config, settings.vllm, torch_threads)
-
-
-def _split(config: Any) -> bool:
-    return bool(getattr(config, "prefill_replicas", 0) or getattr(config, "decode_replicas", 0))
 
 
 def handover_dir(key_prefix: str, model_id: str) -> str:
