@@ -23,6 +23,7 @@ from tests.helpers.stack import side_app
 pytestmark = pytest.mark.slow
 RPM = 20
 REQUESTS = 50  # well past the limit: each gateway alone would admit up to RPM of them
+MAX_REQUESTS = 400  # a hang guard: Serve's proxy sending none to one gateway for this long is a failure
 KEYS = {"sk-limited": {"tenant": "limited", "rpm": RPM, "tpm": 1_000_000}}
 
 
@@ -44,20 +45,22 @@ def _ask(url: str) -> httpx.Response:
 def test_a_requests_per_minute_limit_holds_across_two_gateways(two_gateways):
     url, config = two_gateways
     start = time.monotonic()
+    answers: list[httpx.Response] = []
     with ThreadPoolExecutor(8) as pool:  # concurrent, so Serve's proxy spreads them over both gateways
-        answers = list(pool.map(lambda _: _ask(url), range(REQUESTS)))
+        # Serve's proxy may send a burst to one gateway (the other busy on a loaded machine): go on
+        # in bursts until each gateway has refused some, so both took from the one bucket
+        while len(answers) < REQUESTS or len({a.headers["x-prefixgate-gateway"] for a in answers if a.status_code == 429}) < 2:
+            assert len(answers) < MAX_REQUESTS, {a.headers.get("x-prefixgate-gateway") for a in answers}
+            answers += pool.map(lambda _: _ask(url), range(8))
     elapsed_s = time.monotonic() - start
     assert {a.status_code for a in answers} <= {200, 429}, [a.text for a in answers if a.status_code not in (200, 429)]
     admitted = [a for a in answers if a.status_code == 200]
     refused = [a for a in answers if a.status_code == 429]
-    # both gateways answered, admitting and refusing from the one shared bucket
-    assert len({a.headers["x-prefixgate-gateway"] for a in admitted + refused}) == 2
-    assert len({a.headers["x-prefixgate-gateway"] for a in refused}) == 2
     assert all(a.json()["error"]["code"] == "rate_limit_exceeded" for a in refused)
     assert all(a.headers["x-ratelimit-limit-requests"] == str(RPM) for a in answers)  # shared, not a local share
     # the bucket starts full (RPM) and refills RPM per minute while the run lasts; two gateways
     # each keeping its own bucket would admit up to 2 x RPM
-    print(f"admitted {len(admitted)} of {REQUESTS} at rpm {RPM} in {elapsed_s:.1f} s, by gateway:",
+    print(f"admitted {len(admitted)} of {len(answers)} at rpm {RPM} in {elapsed_s:.1f} s, by gateway:",
           {g: sum(a.headers["x-prefixgate-gateway"] == g for a in admitted) for g in {a.headers["x-prefixgate-gateway"] for a in answers}})
     assert RPM <= len(admitted) <= RPM + math.ceil(elapsed_s * RPM / 60), (len(admitted), elapsed_s)
 

@@ -246,3 +246,32 @@ def test_every_panel_is_filled_in_prometheus(traffic_scrape, live_prometheus, st
         empty = [q for q in empty if prom.series(q) == 0]
     scrapes = [(r["metric"].get("__name__"), r["value"][1]) for q in ("up", "scrape_duration_seconds") for r in prom.query(q)]
     assert not empty, f"queries without data (scrapes: {scrapes}):\n" + "\n".join(" ".join(q.split())[:200] for q in empty)
+
+
+TIER_SERIES = ("ray_prefixgate_kv_tier_blocks", "ray_prefixgate_kv_tier_capacity_blocks",
+               "ray_prefixgate_kv_tier_hit_tokens_total", "ray_prefixgate_kv_tier_promotions_total",
+               "ray_prefixgate_kv_tier_demotions_total", "ray_prefixgate_kv_tier_dropped_total",
+               "ray_prefixgate_kv_tier_bytes_total")
+
+
+def test_a_stack_without_tiers_exports_the_tier_row_at_zero(stack):
+    """The dashboard's tier row reads 0 on a stack with no tier configured, not "no data": its
+    replicas export every tier series for both media from start-up."""
+    from gateway.config import AppConfig
+    from router.protocol.media import LOWER_MEDIA
+    from tests.helpers.stack import side_app
+
+    name = "notiers"
+    config = AppConfig(redis_url=stack.config.redis_url, key_prefix=f"notiers-{uuid.uuid4().hex[:6]}", engine="sim",
+                       replicas=1, num_blocks=64, block_size=16, max_model_len=1024, kv_host_mb=0, kv_disk_mb=0)
+    with side_app(stack, name, config):
+        deadline = time.monotonic() + 120  # a hang guard: Ray's agents export about every 10 s
+        while True:
+            rows = {m: [(lb, v) for lb, v in scrape(stack.metrics_port).get(m, []) if lb.get("application") == name]
+                    for m in TIER_SERIES}
+            if all({lb.get("medium") for lb, _ in rows[m]} >= set(LOWER_MEDIA) for m in TIER_SERIES):
+                break
+            assert time.monotonic() < deadline, {m: [lb.get("medium") for lb, _ in r] for m, r in rows.items()}
+            time.sleep(2)
+    assert {lb["direction"] for lb, _ in rows["ray_prefixgate_kv_tier_bytes_total"]} == {"in", "out"}
+    assert all(v == 0 for r in rows.values() for _, v in r), rows  # no tier: no capacity, no traffic

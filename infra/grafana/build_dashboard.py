@@ -67,8 +67,8 @@ ROWS = [
          [(f"sum by (replica) (rate(ray_vllm_num_preemptions_total{{{M}}}{RATE}))", "{{replica}}")]),
     ]),
     ("K/V tiers below the pool", [
-        ("Tier occupancy", "percentunit", "Blocks held / capacity of the host and disk tiers, all replicas.",
-         [(f"sum by (medium) (ray_prefixgate_kv_tier_blocks{{{M}}}) / sum by (medium) (ray_prefixgate_kv_tier_capacity_blocks{{{M}}})", "{{medium}}")]),
+        ("Tier occupancy", "percentunit", "Blocks held / capacity of the host and disk tiers, all replicas (0 for a tier not configured).",
+         [(f"sum by (medium) (ray_prefixgate_kv_tier_blocks{{{M}}}) / clamp_min(sum by (medium) (ray_prefixgate_kv_tier_capacity_blocks{{{M}}}), 1)", "{{medium}}")]),
         ("Promotions and demotions", "short", "Blocks per second moved back into the pool (hits) and down into each tier.",
          [(f"sum by (medium) (rate(ray_prefixgate_kv_tier_promotions_total{{{M}}}{RATE}))", "promoted from {{medium}}"),
           (f"sum by (medium) (rate(ray_prefixgate_kv_tier_demotions_total{{{M}}}{RATE}))", "demoted to {{medium}}"),

@@ -15,8 +15,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from replica.core.engine_types import EngineStats, RequestOutput
+from replica.core.engine_types import EngineStats, RequestOutput, TierUsage
 from replica.core.request_metrics import RequestMetrics
+from router.protocol.media import LOWER_MEDIA
 from router.telemetry import Metric
 
 log = logging.getLogger("prefixgate.replica.metrics")
@@ -28,6 +29,9 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+NO_TIER = TierUsage(capacity_blocks=0, blocks=0, hit_tokens=0, promotions=0, demotions=0, dropped=0)
 
 
 def token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -126,7 +130,8 @@ class ReplicaMetrics:
         if s.preemptions > self._preemptions_seen:
             self.preemptions.inc(s.preemptions - self._preemptions_seen)
             self._preemptions_seen = s.preemptions
-        for medium, t in s.tiers.items():
+        for medium in LOWER_MEDIA:  # every medium from start-up: a tier not configured reads 0, not "no data"
+            t = s.tiers.get(medium, NO_TIER)
             if (medium, "hits") not in self._tier_seen:  # first sight: every series exists from 0 on
                 for counter in (self.tier_hits, self.tier_promotions, self.tier_demotions, self.tier_dropped):
                     counter.zero(medium)
