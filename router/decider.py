@@ -22,6 +22,7 @@ from msgspec.structs import replace
 from router.index.redis_index import Lookup
 from router.load_table import LoadTable
 from router.policy import Policy, ReplicaView, RouteRequest
+from router.prefill_pick import PrefillPick
 from router.protocol.media import DISK, HOST
 from router.protocol.messages import RouteDecision
 
@@ -134,6 +135,7 @@ class Routed:
     views: list[ReplicaView] = field(default_factory=list)  # what the policy scored
     session_replica: str | None = None
     fleet_size: int = 0
+    prefill: PrefillPick | None = None  # the prefill half and why (a model with prefill replicas)
     calls: int = 1
     created: float = field(default_factory=time.monotonic)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import dataclass, field
 
 from router.index.redis_index import IndexUnavailable, RedisIndex
 from router.latency_model import predict
@@ -35,6 +36,22 @@ from router.protocol.redis_schema import queued_ahead
 from router.router_options import PD_THRESHOLD_TOKENS
 
 MEMBERS_REFRESH_S = 1.0  # how often the prefill replicas' registrations are re-read
+# why a decision has the prefill pick it has: one picked, or none because the uncached part is
+# short, no prefill replica heartbeats, the prefill index did not answer, or a pull copies the prefix
+PREFILL_WHY = ("picked", "short", "no_replica", "index", "pull")
+
+
+@dataclass(frozen=True)
+class PrefillPick:
+    """The prefill half of one decision, and why (the routing audit records both): `source` the
+    prefill replica and the blocks it hands over (None: the decode replica computes the prompt),
+    `costs` what each live prefill replica was priced at, in `unit` ("s": the latency model's
+    mean time to this prompt's first token there; "tokens": prefill tokens ahead of its end)."""
+
+    source: KvSource | None
+    why: str
+    costs: dict[str, float] = field(default_factory=dict)
+    unit: str = ""
 
 
 class PrefillPicker:
@@ -52,33 +69,32 @@ class PrefillPicker:
         self._rng = random.Random()  # breaks ties between equally costed prefill replicas
 
     async def pick(self, hashes: list[int], prompt_tokens: int, decode_matched_blocks: int,
-                   block_size: int, priority: int = 0) -> KvSource | None:
+                   block_size: int, priority: int = 0) -> PrefillPick:
         """The prefill replica for a prompt of `prompt_tokens` whose decode replica holds its first
-        `decode_matched_blocks` blocks, or None (the decode replica computes it). `priority`: the
-        request's scheduling priority (it waits only for the work of its priority and better)."""
+        `decode_matched_blocks` blocks, or none (the decode replica computes it), and why.
+        `priority`: the request's scheduling priority (it waits only for the work of its priority
+        and better)."""
         uncached = prompt_tokens - decode_matched_blocks * block_size
         if uncached <= self.threshold_tokens:
-            self.skipped["short"] += 1
-            return None
+            return self._skip("short")
         handed = (prompt_tokens - 1) // block_size  # the last token is computed where it decodes
         if handed <= decode_matched_blocks:
-            self.skipped["short"] += 1
-            return None
+            return self._skip("short")
         ids = await self._replicas()
         live = [rid for rid in ids if self.loads.get(rid) is not None]
         if not live:
-            self.skipped["no_replica"] += 1
-            return None
+            return self._skip("no_replica")
         try:
             look = await self.index.lookup(hashes, live)
         except IndexUnavailable:
-            self.skipped["index"] += 1
-            return None
+            return self._skip("index")
 
         uncached = {rid: max(prompt_tokens - (look.replicas[rid].matched_blocks if rid in look.replicas else 0)
                              * block_size, 0) for rid in live}
         fits = {rid: self.loads.latency.fit(rid) for rid in live}
         if all(fit is not None for fit in fits.values()):
+            unit = "s"
+
             def cost(rid: str) -> float:  # the mean predicted time to this prompt's first token there
                 hb = self.loads.get(rid) or {}
                 return predict(fits[rid], uncached=uncached[rid], prompt_tokens=prompt_tokens,
@@ -87,13 +103,20 @@ class PrefillPicker:
                                context=int(hb.get("context_tokens", 0)), ahead=queued_ahead(hb, priority),
                                quantile=False).ttft_s
         else:
+            unit = "tokens"
+
             def cost(rid: str) -> float:  # a replica without a step model yet: prefill tokens ahead of its end
                 return uncached[rid] + int((self.loads.get(rid) or {}).get("pending_prefill_tokens", 0))
         # equal costs (idle replicas, heartbeats not yet showing the last pick) are broken at
         # random: by id, prompts sent one at a time to idle replicas all went to the first
-        best = min(live, key=lambda rid: (cost(rid), self._rng.random()))
+        costs = {rid: cost(rid) for rid in live}
+        best = min(live, key=lambda rid: (costs[rid], self._rng.random()))
         self.picks += 1
-        return KvSource(best, handed)
+        return PrefillPick(KvSource(best, handed), "picked", costs, unit)
+
+    def _skip(self, why: str) -> PrefillPick:
+        self.skipped[why] += 1
+        return PrefillPick(None, why)
 
     async def _replicas(self) -> list[str]:
         """The registered prefill replicas, re-read every MEMBERS_REFRESH_S (in the background

@@ -40,7 +40,7 @@ from router.latency_calibration import calibration
 from router.load_table import LoadTable
 from router.metrics import record_slo, router_metrics
 from router.policy import ReplicaView, RouteRequest, make_policy
-from router.prefill_pick import PrefillPicker
+from router.prefill_pick import PrefillPick, PrefillPicker
 from router.protocol.audit_log import AuditWriter
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.messages import GenerateRequest, RouteDecision
@@ -143,12 +143,16 @@ class PrefixGateRouter(RequestRouter):
                              objectives=req.objectives, priority=req.priority)
         self._calibrate()
         routed = await self._decide(route, by_id)
-        if self.prefill is not None and routed.decision.pull is None:  # a pull copies the prefix already
+        if self.prefill is not None:
             chosen = routed.decision
-            source = await self.prefill.pick(hashes, route.num_prompt_tokens, routed.matched.get(chosen.replica_id, 0),
-                                             self.block_size, req.priority)
-            if source is not None:
-                routed.decision = replace(chosen, prefill=source)
+            if chosen.pull is not None:  # a pull copies the prefix already
+                routed.prefill = PrefillPick(None, "pull")
+            else:
+                routed.prefill = await self.prefill.pick(hashes, route.num_prompt_tokens,
+                                                         routed.matched.get(chosen.replica_id, 0), self.block_size,
+                                                         req.priority)
+            if routed.prefill.source is not None:
+                routed.decision = replace(chosen, prefill=routed.prefill.source)
         self._remember(key, routed)
         decision = routed.decision
         metrics = router_metrics()

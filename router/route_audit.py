@@ -26,4 +26,14 @@ def decision_record(policy: Policy, routed: Routed, replica_id: str, request_id:
         balance_tokens=policy.balance_tolerance * route.num_prompt_tokens if affinity else 0.0,
         capacity={v.replica_id: v.capacity_blocks for v in views if v.capacity_blocks},
         cache_blind=not affinity,
+        **_prefill_fields(routed),
     )
+
+
+def _prefill_fields(routed: Routed) -> dict:
+    pick = routed.prefill
+    if pick is None:
+        return {}
+    digits = 4 if pick.unit == "s" else 1
+    return {"prefill_why": pick.why, "prefill_costs": {rid: round(c, digits) for rid, c in pick.costs.items()},
+            "prefill_unit": pick.unit}

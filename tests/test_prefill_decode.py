@@ -27,6 +27,7 @@ from router.index.redis_index import RedisConfig, RedisIndex
 from router.latency_model import StepFit
 from router.load_table import LoadTable
 from router.prefill_pick import PrefillPicker
+from router.protocol import audit_log
 from router.protocol.hashing import block_hashes, chain_seed
 from router.protocol.redis_schema import Heartbeat, RedisKeys
 from tests.helpers.stack import side_app, wait_until
@@ -113,27 +114,31 @@ def test_the_prefill_pick_weighs_held_blocks_against_queued_prefill(redis_server
             await picker.loads.close()
             await index.close()
 
-    assert asyncio.run(pick(64, 0))[0] is None  # no prefill replica registered: the decode replica computes it
+    none, _ = asyncio.run(pick(64, 0))
+    assert none.source is None and none.why == "no_replica"  # no prefill replica registered: the decode replica computes it
     _publish(client, keys, "holder", hashes[:30], pending=200)  # 480 of the prompt's 643 tokens held, 200 queued
     _publish(client, keys, "idle", [], pending=0)  # nothing held, nothing queued
-    source, picker = asyncio.run(pick(64, 0))
-    assert (source.replica_id, source.num_blocks) == ("holder", 40)  # (643 - 480) + 200 < 643
+    chosen, picker = asyncio.run(pick(64, 0))
+    assert (chosen.source.replica_id, chosen.source.num_blocks) == ("holder", 40)  # (643 - 480) + 200 < 643
+    # what the audit records: why, and each prefill replica's price (tokens: no step model yet)
+    assert chosen.why == "picked" and chosen.unit == "tokens" and chosen.costs == {"holder": 363, "idle": 643}
     client.hset(keys.heartbeat("holder"), "pending_prefill_tokens", 600)
-    assert asyncio.run(pick(64, 0))[0].replica_id == "idle"  # 763 > 643
+    assert asyncio.run(pick(64, 0))[0].source.replica_id == "idle"  # 763 > 643
     short, picker = asyncio.run(pick(64, 38))  # the decode replica holds all but 35 tokens
-    assert short is None and picker.skipped["short"] == 1
+    assert short.source is None and short.why == "short" and picker.skipped["short"] == 1
     # ten requests waiting at the holder, no prefill pending: in tokens it is the cheaper (163 < 643);
     # priced by the step models, their starts (20 ms each) make it the slower to this prompt's end
     client.hset(keys.heartbeat("holder"), mapping={"pending_prefill_tokens": 0, "waiting": 10})
-    assert asyncio.run(pick(64, 0))[0].replica_id == "holder"
-    assert asyncio.run(pick(64, 0, FIT))[0].replica_id == "idle"
+    assert asyncio.run(pick(64, 0))[0].source.replica_id == "holder"
+    timed = asyncio.run(pick(64, 0, FIT))[0]
+    assert timed.source.replica_id == "idle" and timed.unit == "s" and timed.costs["holder"] > timed.costs["idle"] > 0
     client.delete(keys.heartbeat("idle"), keys.heartbeat("holder"))  # no heartbeat: not a candidate
     none, picker = asyncio.run(pick(64, 0))
-    assert none is None and picker.skipped["no_replica"] == 1
+    assert none.source is None and none.why == "no_replica" and picker.skipped["no_replica"] == 1
     # two idle replicas holding nothing: the picks spread over both (by id, all went to one)
     _publish(client, keys, "twin-a", [], pending=0)
     _publish(client, keys, "twin-b", [], pending=0)
-    picked = {asyncio.run(pick(64, 0))[0].replica_id for _ in range(24)}
+    picked = {asyncio.run(pick(64, 0))[0].source.replica_id for _ in range(24)}
     assert picked == {"twin-a", "twin-b"}
 
 
@@ -142,7 +147,7 @@ SIM_APP = "pd-sim"
 
 
 @pytest.fixture(scope="module")
-def sim_app(stack, redis_server):
+def sim_app(stack, redis_server, tmp_path_factory):
     from ray.serve._private.common import DeploymentID
 
     prefix = f"pdsim-{uuid.uuid4().hex[:6]}"
@@ -151,9 +156,10 @@ def sim_app(stack, redis_server):
     # time those out) and well short of a 4,000-token prompt's 16 s
     config = AppConfig(engine="sim", prefill_replicas=1, decode_replicas=1, redis_url=redis_server.url,
                        key_prefix=prefix, num_blocks=2048, block_size=BS, max_model_len=4096, redis_timeout_s=1.0,
-                       pd_threshold_tokens=64, handover_timeout_s=10.0, sim_service={"prefill_s_per_token": 0.004})
+                       pd_threshold_tokens=64, handover_timeout_s=10.0, sim_service={"prefill_s_per_token": 0.004},
+                       audit_dir=str(tmp_path_factory.mktemp("pd-audit")))
     with side_app(stack, SIM_APP, config) as base:
-        yield SimpleNamespace(url=base, prefill_keys=RedisKeys(f"{prefix}:prefill"),
+        yield SimpleNamespace(url=base, prefill_keys=RedisKeys(f"{prefix}:prefill"), audit_dir=config.audit_dir,
                               redis=redis.Redis.from_url(redis_server.url, decode_responses=True),
                               decode=ReplicaCaller(DeploymentID(name="PrefixCacheReplica", app_name=SIM_APP)),
                               prefill_deployment=DeploymentID(name="PrefixCacheReplica-prefill", app_name=SIM_APP))
@@ -195,6 +201,19 @@ def test_a_long_prompt_is_handed_over_and_a_short_one_is_not(sim_app):
     assert stats["ok"] >= 1 and stats["tokens"] >= route["prefill_blocks"] * BS
     short = _complete(sim_app.url, _prompt(40))["prefixgate"]["route"]  # 40 tokens: under the 64-token threshold
     assert "prefill_from" not in short
+    # the routing audit records both picks and why (a Decision is written once Ray reports where it went)
+    def audited() -> dict[str, list[audit_log.Decision]] | None:
+        found: dict[str, list[audit_log.Decision]] = {}
+        for record in audit_log.read_dir(sim_app.audit_dir):
+            if isinstance(record, audit_log.Decision):
+                found.setdefault(record.prefill_why, []).append(record)
+        return found if "picked" in found and "short" in found else None
+
+    decisions = wait_until("decisions with a prefill pick and a short prompt audited", audited, timeout_s=60)
+    picked = decisions["picked"][-1]
+    assert picked.route.prefill is not None and picked.route.prefill.replica_id in picked.prefill_costs
+    assert picked.prefill_unit in ("s", "tokens") and all(c >= 0 for c in picked.prefill_costs.values())
+    assert all(d.route.prefill is None and not d.prefill_costs for d in decisions["short"])
     health = httpx.get(f"{sim_app.url}/health", timeout=30)
     assert health.status_code == 200 and health.json()["roles"] == {DEFAULT_MODEL_NAME: {"prefill": 1, "decode": 1}}
     assert asyncio.run(sim_app.decode.call(route["replica"], "info"))["role"] == "decode"
