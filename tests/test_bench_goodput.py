@@ -274,3 +274,7 @@ def test_a_short_real_run_through_the_cli(tmp_path):
             for objective, share in s["coverage"].items():  # read from the gateway's /metrics
                 assert objective in ("ttft", "tpot") and (share is None or 0 <= share <= 1), s["coverage"]
     assert set(data["summary"]["held_90"]) == {"slo", "default", "least-loaded"}
+    for objective, c in data["summary"]["slo_coverage"].items():  # slo's coverage over all its steps
+        assert objective in ("ttft", "tpot") and 0 <= c["covered"] <= c["judged"], c
+        assert c["share"] is None or c["share"] == pytest.approx(c["covered"] / c["judged"])
+    assert "slo's p90 covered" in r.stdout

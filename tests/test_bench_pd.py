@@ -54,7 +54,7 @@ def test_a_short_real_run_with_a_prefill_replica_killed(tmp_path):
     out = tmp_path / "pd.json"
     r = subprocess.run(
         [str(PREFIXGATE), "bench", "pd", "--prefill-replicas", "1", "--decode-replicas", "1", "--duration", "8",
-         "--rate", "4", "--long-share", "0.5", "--kill-prefill-every", "3", "--port", str(free_port()),
+         "--rate", "4", "--long-share", "0.5", "--kill-prefill-every", "6", "--port", str(free_port()),
          "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -157,13 +157,15 @@ def slo_headers(objs: dict[str, dict[str, int]]) -> dict[str, dict[str, str]]:
 
 
 def run_mode(stack: LocalStack, config: AppConfig, model: str, mix: Mix, mode: str, objs: dict, cap: float,
-             args: argparse.Namespace, header: bool) -> list[StepResult]:
+             args: argparse.Namespace, header: bool) -> tuple[list[StepResult], dict[str, dict[str, float | None]]]:
+    """The mode's steps, and its p90 coverage over all of them (`judged` and `covered` per objective)."""
     stack.deploy(config)
     url = f"{stack.url}/v1/completions"
     headers = slo_headers(objs) if mode == "slo" else {}
     asyncio.run(at_once(url, model, mix.warmers()))
     asyncio.run(open_loop(url, model, arrivals(mix, WARM_RATE * cap, min(args.window, 10.0), args.seed, 0), headers))
     steps = []
+    first = coverage_counts(stack.url)
     for k in range(1, args.max_steps + 1):
         rate = k * 0.1 * cap
         before = coverage_counts(stack.url)
@@ -173,7 +175,18 @@ def run_mode(stack: LocalStack, config: AppConfig, model: str, mix: Mix, mode: s
         print(format_step(mode, steps[-1], header=header and k == 1), flush=True)
         if steps[-1].attainment is not None and steps[-1].attainment < STOP_BELOW:
             break
-    return steps
+    return steps, run_coverage(first, coverage_counts(stack.url))
+
+
+def run_coverage(first: dict[str, tuple[float, float]], last: dict[str, tuple[float, float]]) -> dict[str, dict[str, float | None]]:
+    """The p90's coverage per objective over a mode's measured steps together: the requests judged
+    against a prediction, how many it covered, and their share (None: none judged)."""
+    share = coverage(first, last)
+    out: dict[str, dict[str, float | None]] = {}
+    for objective, (n, covered) in last.items():
+        n0, c0 = first.get(objective, (0.0, 0.0))
+        out[objective] = {"judged": n - n0, "covered": covered - c0, "share": share[objective]}
+    return out
 
 
 def coverage_counts(base: str) -> dict[str, tuple[float, float]]:
@@ -230,6 +243,9 @@ def format_summary(sm: dict) -> str:
         d = sm["default_80"]
         lines.append(f"default falls through 80% at {_rate(d)}; slo's attainment there (interpolated): "
                      f"{_pct(d.get('slo_attainment'))} (target >= 95%)")
+    for objective, c in sm.get("slo_coverage", {}).items():
+        lines.append(f"slo's p90 covered {_pct(c['share'])} of observed {objective.upper()}s over its steps "
+                     f"({c['covered']:.0f} of {c['judged']:.0f}; target 85-95%)")
     return "\n".join(lines)
 
 
@@ -299,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_name()}\nsettings: {settings}\nprompt length scale: x{args.length_scale}", flush=True)
     stack = LocalStack(config("calibration"), port=args.port)
     results: dict[str, list[StepResult]] = {}
+    covered: dict[str, dict[str, dict[str, float | None]]] = {}
     try:
         stack.start()
         model = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -312,10 +329,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{c.burst_rps:5.2f} req/s (n={c.n})" + (f" -> objectives TTFT {o['ttft_ms']} ms, TPOT {o['tpot_ms']} ms" if o else ""))
         print(f"capacity {cap:.2f} req/s; rates step by {0.1 * cap:.2f} req/s", flush=True)
         for i, mode in enumerate(args.modes):
-            results[mode] = run_mode(stack, config(mode), model, mix, mode, objs, cap, args, header=i == 0)
+            results[mode], covered[mode] = run_mode(stack, config(mode), model, mix, mode, objs, cap, args, header=i == 0)
     finally:
         stack.stop()
     sm = summary(results)
+    if "slo" in covered:
+        sm["slo_coverage"] = covered["slo"]
     print(format_summary(sm))
     if args.json:
         with open(args.json, "w") as fh:

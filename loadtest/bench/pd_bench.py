@@ -18,9 +18,10 @@ over; then a route check (a few long and short prompts, not streamed: their
 `prefixgate.route.prefill_from`, which a stream does not carry), and once idle whether the
 prefill replicas' heartbeats show no block in use (free + cached == capacity: nothing left pinned).
 
-`--kill-prefill-every S` (the split arm only): every S seconds the busiest prefill replica's
-actor is killed (Serve starts another); interrupted hand-overs recovered = the run's `failed` +
-`timeout` outcomes, each computed on its decode replica instead (the client saw one stream).
+`--kill-prefill-every S` (the split arm only): every S seconds, the first at S/2, a prefill
+replica with a hand-over in flight (the first its heartbeats show busy, waited for up to S/2) has
+its actor killed (Serve starts another); interrupted hand-overs recovered = the run's `failed` + `timeout` outcomes, each
+computed on its decode replica instead (the client saw one stream).
 
     prefixgate bench pd --json /tmp/pd.json
     prefixgate bench pd --arms split --duration 300 --kill-prefill-every 60 --json /tmp/pd-faults.json
@@ -53,6 +54,7 @@ ARMS = ("colocated", "split")
 # computes a 1,500-token prompt in seconds, so its prompts are shorter and its rate lower
 ENGINE_DEFAULTS = {"sim": ((1000, 2000), (32, 200), 4.0), "model": ((400, 800), (16, 128), 0.5)}
 POLL_S = 2.0  # decode replicas' hand-over counts read this often (their latency list keeps the last 100)
+KILL_POLL_S = 0.1  # a kill mark polls the prefill replicas' heartbeats this often for a busy one
 ROUTE_CHECK = 4  # long and short prompts each in the route check
 IDLE_WAIT_S = 60.0  # the longest wait for the prefill replicas' pools to show nothing in use
 
@@ -162,25 +164,28 @@ class Fleet:
                 out[rid] = info["stats"]["handover"]
         return out
 
-    def kill_busiest_prefill(self) -> str | None:
-        """Kill the prefill replica with the most work in hand (so hand-overs are in flight)."""
+    def busy_prefill(self) -> str | None:
+        """The live prefill replica with the most work in hand by its heartbeat (None: all idle)."""
+        beats = {rid: hb for rid, hb in self.beats(self.prefill_keys).items() if rid not in self.killed}
+
+        def work(hb: dict[str, str]) -> int:
+            return int(hb.get("pending_prefill_tokens", 0)) + 1000 * int(hb.get("running", 0))
+        busy = {rid: work(hb) for rid, hb in beats.items() if work(hb) > 0}
+        return max(busy, key=busy.__getitem__) if busy else None
+
+    def kill_prefill(self, victim: str) -> bool:
+        """Kill one prefill replica's actor (Serve starts another); False if it was gone."""
         import ray
         from ray.serve._private.common import ReplicaID
         from ray.serve._private.constants import SERVE_NAMESPACE
 
-        beats = {rid: hb for rid, hb in self.beats(self.prefill_keys).items() if rid not in self.killed}
-        if not beats:
-            return None
-        def work(hb: dict[str, str]) -> int:
-            return int(hb.get("pending_prefill_tokens", 0)) + 1000 * int(hb.get("running", 0))
-        victim = max(beats, key=lambda rid: work(beats[rid]))
         try:
             actor = ray.get_actor(ReplicaID(victim, self.prefill_deployment).to_full_id_str(), namespace=SERVE_NAMESPACE)
             ray.kill(actor, no_restart=True)
         except ValueError:  # already gone
-            return None
+            return False
         self.killed.add(victim)
-        return victim
+        return True
 
 
 def add_counts(tally: HandoverTally, before: dict[str, dict], now: dict[str, dict]) -> None:
@@ -212,14 +217,25 @@ async def poll_handovers(fleet: Fleet, tally: HandoverTally, before: dict[str, d
 
 
 async def kill_loop(fleet: Fleet, every_s: float, until_s: float, kills: list[dict]) -> None:
-    """Kill a prefill replica every `every_s` seconds while the arrivals last."""
+    """A kill every `every_s` seconds of the arrivals' `until_s`, the first half an interval in
+    (so a 300-s run at 60 s has 5, at 30, 90, ... 270 s): each kills a prefill replica with a
+    hand-over in flight, the first busy one its heartbeats show, waited for up to half the
+    interval (a kill of an idle replica interrupts nothing; none busy by then: no kill)."""
     start = time.perf_counter()
-    t = every_s
+    t = every_s / 2
     while t < until_s:
         await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-        victim = await asyncio.to_thread(fleet.kill_busiest_prefill)
-        kills.append({"at_s": round(time.perf_counter() - start, 1), "replica": victim})
-        print(f"  killed prefill replica {victim} at {kills[-1]['at_s']} s", flush=True)
+        victim = None
+        give_up = start + t + every_s / 2
+        while victim is None and time.perf_counter() < give_up:
+            victim = await asyncio.to_thread(fleet.busy_prefill)
+            if victim is None:
+                await asyncio.sleep(KILL_POLL_S)
+        if victim is not None and await asyncio.to_thread(fleet.kill_prefill, victim):
+            kills.append({"at_s": round(time.perf_counter() - start, 1), "replica": victim})
+            print(f"  killed prefill replica {victim} at {kills[-1]['at_s']} s", flush=True)
+        else:
+            print(f"  no prefill replica busy within {every_s / 2:.0f} s of {t:.0f} s: no kill", flush=True)
         t += every_s
 
 
