@@ -6,6 +6,7 @@ counters (the answer came while step k had started and not finished), never wall
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 
@@ -16,6 +17,8 @@ from replica.async_engine import AsyncLLMEngine, EngineDeadError
 from replica.engine import LLMEngine, SamplingParams
 from router.protocol.messages import GenerateRequest, StartChunk, decode_chunk
 from router.protocol.redis_schema import RedisKeys
+
+GATE_GUARD_S = 150.0  # longest the held prefill step waits for the test (a hang guard, not a timing)
 
 
 async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
@@ -36,7 +39,13 @@ async def _make_replica(settings: dict):
 def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
     """One step prefills ~1,500 tokens in one forward pass (seconds on this CPU). While it
     runs: stats, info (what /health calls), check_health, a Redis heartbeat and the abort of
-    the request itself all complete, and the step is still the same one afterwards."""
+    the request itself all complete, and the step is still the same one afterwards.
+
+    The step does not end before the test has seen all that: after its forward pass it holds
+    on a gate the test opens last, so a fast machine (or a starved heartbeat task on a loaded
+    one) cannot end the step first. Anything that waited for the step would wait for the
+    gate: the gate gives up after a hang guard, the step then ends, and `still_in_step` fails
+    naming what waited."""
     key_prefix = f"loop-{uuid.uuid4().hex[:6]}"
     settings = {
         "engine": {"engine": "model", "config": {"model": default_model_dir, "max_num_batched_tokens": 2048,
@@ -47,6 +56,19 @@ def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
     async def scenario():
         replica = await _make_replica(settings)
         eng = replica.backend.engine
+        # the prefill step: its real forward pass, then held until the test opens the gate
+        gate, forward_s = threading.Event(), []
+        real_step = eng.engine.step
+
+        def held_step():
+            t = time.perf_counter()
+            outputs = real_step()
+            forward_s.append(time.perf_counter() - t)
+            if len(forward_s) == 1:  # the first step is the prefill; later ones run as they are
+                gate.wait(GATE_GUARD_S)  # a hang guard: something waited for the step (asserted below)
+            return outputs
+
+        eng.engine.step = held_step  # the loop thread calls it as self.engine.step()
         try:
             await _until(lambda: replica.publisher.stats.resyncs > 0, "the first publish")
             tok = eng.engine.tokenizer
@@ -73,13 +95,17 @@ def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
             t3 = time.perf_counter()
             assert still_in_step(), "info/check_health waited for the step"
             assert info["stats"]["pending_prefill_tokens"] == len(prompt)
-            # a heartbeat computed and written to Redis during the step
-            beats = len(replica.heartbeats)
-            await _until(lambda: len(replica.heartbeats) > beats + 1, "a heartbeat during the step", 30)
+            # a heartbeat computed and written to Redis during the step. The publisher computes a
+            # beat, writes it, then counts it (`beats`); this test shares its event loop, so of
+            # the writes counted from now on only the first can have been computed before now:
+            # two more written means one computed during the step is in Redis (or a later one,
+            # also during the step, which the gate holds open)
+            written = replica.publisher.beats
+            await _until(lambda: replica.publisher.beats >= written + 2, "two heartbeats written during the step", 120)
             client = redis.Redis.from_url(redis_server.url, decode_responses=True)
             hb = client.hgetall(RedisKeys(key_prefix).heartbeat(replica.replica_id))
             assert int(hb["pending_prefill_tokens"]) == len(prompt)
-            assert any(s == k and f == k - 1 for s, f in replica.heartbeats)
+            assert replica.heartbeats[-1] == (k, k - 1), list(replica.heartbeats)[-4:]
             assert still_in_step(), "the heartbeat waited for the step"
             # the client goes away: the abort is queued and the call returns during the step
             t4 = time.perf_counter()
@@ -88,19 +114,22 @@ def test_loop_answers_during_a_long_prefill(redis_server, default_model_dir):
             await gen.aclose()
             t5 = time.perf_counter()
             assert still_in_step(), "abort waited for the step"
+            gate.set()  # the step may end now
             # after the step: the request is gone, its blocks freed, no decode step ever ran it
             await _until(lambda: eng.steps_finished >= k and eng.stats().running + eng.stats().waiting == 0,
                          "the abort to take effect")
             s = eng.stats()
             assert s.blocks_used == 0 and s.generated_tokens <= 1
             step_s = time.monotonic() - step_began
-            print(f"\nduring a {step_s:.2f} s prefill step ({len(prompt)} tokens): stats {1e3 * (t1 - t0):.3f} ms, "
-                  f"info {1e3 * (t2 - t1):.2f} ms, check_health {1e3 * (t3 - t2):.2f} ms, abort {1e3 * (t5 - t4):.2f} ms")
+            print(f"\nduring a {step_s:.2f} s prefill step ({len(prompt)} tokens, forward pass {forward_s[0]:.2f} s): "
+                  f"stats {1e3 * (t1 - t0):.3f} ms, info {1e3 * (t2 - t1):.2f} ms, "
+                  f"check_health {1e3 * (t3 - t2):.2f} ms, abort {1e3 * (t5 - t4):.2f} ms")
             return k
         finally:
+            gate.set()  # never leave the loop thread held (a failed assertion above)
             await replica.__del__()
 
-    asyncio.run(asyncio.wait_for(scenario(), timeout=240))
+    asyncio.run(asyncio.wait_for(scenario(), timeout=300))
 
 
 @pytest.fixture
