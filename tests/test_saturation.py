@@ -15,6 +15,8 @@ import redis
 from router.protocol.redis_schema import RedisKeys
 from tests.helpers.stack import MODEL
 
+MAX_SENT = 400  # a hang guard on the burst: far past the 8 the gateway and replicas take at once
+
 
 def _evalsha_calls(client: redis.Redis) -> int:
     return client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
@@ -54,9 +56,29 @@ def _saturate(stack, config, name: str, own, prefix: str) -> None:
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}]}
         return await http.post(f"{base}/v1/chat/completions", json=body, headers={"x-session-id": f"{prefix}-{i}"})
 
-    async def burst():
-        async with httpx.AsyncClient(timeout=120) as http:
-            return await asyncio.gather(*(one(http, i) for i in range(16)))
+    async def burst() -> list[httpx.Response]:
+        """16 at once, then two more for each one answered while none was refused, until one is
+        (the load only grows, however fast the replicas answer or slowly the requests arrive)
+        or MAX_SENT were sent; every response, in the order sent (index i: session i)."""
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None)) as http:
+            sent: list[asyncio.Task] = []
+
+            def send(n: int) -> set[asyncio.Task]:
+                new = [asyncio.ensure_future(one(http, i)) for i in range(len(sent), min(len(sent) + n, MAX_SENT))]
+                sent.extend(new)
+                return set(new)
+
+            pending, refused = send(16), False
+            try:
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    refused = refused or any(t.result().status_code == 429 for t in done)
+                    if not refused:
+                        pending |= send(2 * len(done))
+            finally:
+                for t in pending:  # a request failed: leave none running into the closed client
+                    t.cancel()
+            return [t.result() for t in sent]
 
     try:
         before = _evalsha_calls(client)
@@ -66,9 +88,11 @@ def _saturate(stack, config, name: str, own, prefix: str) -> None:
         serve.delete(name)
     ok = [r for r in responses if r.status_code == 200]
     rejected = [r for r in responses if r.status_code == 429]
-    assert len(ok) + len(rejected) == 16, [(r.status_code, r.text[:200]) for r in responses]
+    print(f"\n{len(responses)} sent: {len(ok)} answered, {len(rejected)} refused")
+    assert len(ok) + len(rejected) == len(responses), [(r.status_code, r.text[:200]) for r in responses]
     # 2 replicas x 2 in flight + 4 queued in the router: at least 8 accepted, some turned away
-    assert len(ok) >= 8 and rejected, (len(ok), len(rejected))
+    assert rejected, f"no 429 in {len(responses)} requests: the gateway never refused one"
+    assert len(ok) >= 8, (len(ok), len(rejected))
     for r in ok:  # nothing lost: every accepted request ran to its end
         body = r.json()
         assert body["usage"]["completion_tokens"] >= 1
