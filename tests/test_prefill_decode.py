@@ -159,7 +159,8 @@ def sim_app(stack, redis_server, tmp_path_factory):
                        pd_threshold_tokens=64, handover_timeout_s=10.0, sim_service={"prefill_s_per_token": 0.004},
                        audit_dir=str(tmp_path_factory.mktemp("pd-audit")))
     with side_app(stack, SIM_APP, config) as base:
-        yield SimpleNamespace(url=base, prefill_keys=RedisKeys(f"{prefix}:prefill"), audit_dir=config.audit_dir,
+        yield SimpleNamespace(url=base, keys=RedisKeys(prefix), prefill_keys=RedisKeys(f"{prefix}:prefill"),
+                              audit_dir=config.audit_dir,
                               redis=redis.Redis.from_url(redis_server.url, decode_responses=True),
                               decode=ReplicaCaller(DeploymentID(name="PrefixCacheReplica", app_name=SIM_APP)),
                               prefill_deployment=DeploymentID(name="PrefixCacheReplica-prefill", app_name=SIM_APP))
@@ -299,8 +300,18 @@ def test_a_hand_over_past_its_timeout_stops_on_the_prefill_replica(sim_app):
         return None
 
     busy, before = wait_until("the prefill replica computing the long prompt", computing, timeout_s=120)
+
+    def decode_beat() -> dict[str, str]:
+        return sim_app.redis.hgetall(sim_app.keys.heartbeat(decode))
+
+    # the decode replica's heartbeat counts the request waiting on the hand-over (not in its engine yet)
+    beat = wait_until("the decode replica's heartbeat counting its hand-over in flight",
+                      lambda: b if int((b := decode_beat()).get("handovers_in_flight", 0)) >= 1 else None, timeout_s=60)
+    assert int(beat["waiting"]) >= int(beat["handovers_in_flight"]), beat
     wait_until("the hand-over timed out", lambda: _handover_stats(sim_app, decode)["timeouts"] > start["timeouts"],
                timeout_s=120)
+    wait_until("the decode replica's heartbeat without it", lambda: int(decode_beat().get("handovers_in_flight", 0)) == 0,
+               timeout_s=60)
 
     def idle() -> dict | None:
         stats = _prefill_stats(sim_app, busy)

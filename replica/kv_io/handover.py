@@ -159,6 +159,7 @@ class Handover:
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.stats = HandoverStats()
+        self.in_flight = 0  # requests waiting on a prefill replica now (the heartbeat counts them as waiting)
 
     async def run(self, source: KvSource, request: GenerateRequest, model_id: str) -> Any:
         """The K/V to start `request` from (our engine: KvBlocks), or None: the prompt is computed
@@ -176,6 +177,7 @@ class Handover:
             # the files of hand-overs given up on (timeout, failure): long past any load of theirs
             self.connector.sweep(max(2 * self.timeout_s, SWEEP_AFTER_S))
         start = time.perf_counter()
+        self.in_flight += 1
         try:
             result = await asyncio.wait_for(
                 self.caller.call(source.replica_id, "prefill_kv", prefill_request(request), first), self.timeout_s)
@@ -186,6 +188,8 @@ class Handover:
             self.stats.last_error = f"{type(err).__name__}: {err}"[:300]
             log.info("hand-over from %s failed: %s", source.replica_id, self.stats.last_error)
             return self._outcome("failed")
+        finally:
+            self.in_flight -= 1
         seconds = time.perf_counter() - start
         if self.connector is not None:
             params = result.kv_transfer_params

@@ -93,7 +93,8 @@ class PrefixCacheReplica:
         return await self.backend.block_snapshot(self.publisher.reset_events)
 
     def _load(self) -> Heartbeat:
-        return build_heartbeat(self.backend, self.kv_pull, self.heartbeats)
+        return build_heartbeat(self.backend, self.kv_pull, self.heartbeats,
+                               self.handover.in_flight if self.handover is not None else 0)
 
     async def generate(self, request: object, route: RouteDecision | None = None) -> AsyncIterator[bytes]:
         """The request's chunks, msgpack-encoded (the gateway decodes them with their types).

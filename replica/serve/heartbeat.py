@@ -13,15 +13,18 @@ from router.protocol.redis_schema import Heartbeat, queued_by_priority
 
 
 def build_heartbeat(backend: EngineBackend, puller: PullLoad | None,
-                    beats: collections.deque[tuple[int, int]] | None = None) -> Heartbeat:
+                    beats: collections.deque[tuple[int, int]] | None = None, handovers_in_flight: int = 0) -> Heartbeat:
     """The heartbeat to write now. `beats` records (steps started, steps finished) per beat: it
-    shows that heartbeats go on while a long step runs (tests/test_replica_loop.py)."""
+    shows that heartbeats go on while a long step runs (tests/test_replica_loop.py).
+    `handovers_in_flight`: a decode replica's requests waiting on a prefill replica, not yet in
+    its engine: counted as waiting (the router would not see them until their K/V arrived)."""
     s = backend.stats()  # a snapshot: answers at once even during a long step
     if beats is not None:
         beats.append(backend.step_progress())
     load: dict[str, int | float] = {
         "running": s.running,
-        "waiting": s.waiting,
+        "waiting": s.waiting + handovers_in_flight,
+        "handovers_in_flight": handovers_in_flight,
         "pending_prefill_tokens": s.pending_prefill_tokens,
         "free_blocks": s.blocks_free,
         "cached_blocks": s.blocks_cached,

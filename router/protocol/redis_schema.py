@@ -45,6 +45,8 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     prefill_tokens_per_s: int = 0  # prompt tokens computed per second of prefill, recent requests
     kv_bytes_per_token: int = 0  # K/V bytes one token occupies in its pool (what a pull moves per token)
     kv_pull: int = 0  # 1: the replica exports and imports K/V, so pull hints may name it
+    # a decode replica's requests waiting on a prefill replica's hand-over (also counted in `waiting`)
+    handovers_in_flight: int = 0
     # K/V tiers below the device pool (router/protocol/media.py): occupancy in blocks,
     # and the measured bytes/s of bringing a block back from each tier into the pool (0: none yet)
     host_blocks: int = 0
