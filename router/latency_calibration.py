@@ -22,7 +22,8 @@ A trailing window lags a load that keeps changing (a rising rate makes every new
 than the window's), so the level itself adapts, as adaptive conformal inference does (Gibbs &
 Candes, 2021): each observation judged against a calibrated p90 moves the miss rate aimed at,
 `alpha += GAMMA x (0.1 - missed)`, so a run of misses raises the rank and a run of covers
-lowers it, and over a run the share covered tends to 90% whatever the drift.
+lowers it, and over a run the share covered tends to 90% whatever the drift. GAMMA 0.02 (0.01
+and 0.05 measured worse over `prefixgate bench goodput`'s runs: docs/benchmarks.md).
 
 One Calibration per served model per process (`calibration`): the gateway and the router it
 runs (Serve runs the request router in the handle's process) share it. Memory: WINDOW x 2 floats
@@ -40,9 +41,9 @@ import numpy as np
 
 QUANTILE = 0.9
 WINDOW = 256  # observations kept per model and objective: the last minute or two of a busy model
-MIN_OBSERVED = 32  # fewer: the step model's own p90
+MIN_OBSERVED = 16  # fewer: the step model's own p90
 REFIT_EVERY = 8  # the quantile is recomputed after this many new observations
-GAMMA = 0.01  # the adaptive level's step per observation judged against a calibrated p90
+GAMMA = 0.02  # the adaptive level's step per observation judged against a calibrated p90
 ALPHA_RANGE = (0.005, 0.5)  # the miss rate aimed at stays within this
 OBJECTIVES = ("ttft", "tpot")
 
