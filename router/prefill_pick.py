@@ -27,6 +27,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from router.index.redis_index import IndexUnavailable, RedisIndex
 from router.latency_model import predict
@@ -38,7 +39,8 @@ from router.router_options import PD_THRESHOLD_TOKENS
 MEMBERS_REFRESH_S = 1.0  # how often the prefill replicas' registrations are re-read
 # why a decision has the prefill pick it has: one picked, or none because the uncached part is
 # short, no prefill replica heartbeats, the prefill index did not answer, or a pull copies the prefix
-PREFILL_WHY = ("picked", "short", "no_replica", "index", "pull")
+PrefillWhy = Literal["picked", "short", "no_replica", "index", "pull"]
+Skipped = Literal["short", "no_replica", "index"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class PrefillPick:
     mean time to this prompt's first token there; "tokens": prefill tokens ahead of its end)."""
 
     source: KvSource | None
-    why: str
+    why: PrefillWhy
     costs: dict[str, float] = field(default_factory=dict)
     unit: str = ""
 
@@ -65,7 +67,7 @@ class PrefillPicker:
         self._read_at = -MEMBERS_REFRESH_S
         self._reading: asyncio.Task | None = None
         self.picks = 0
-        self.skipped = {"short": 0, "no_replica": 0, "index": 0}  # why decisions had no prefill pick
+        self.skipped: dict[Skipped, int] = dict.fromkeys(get_args(Skipped), 0)  # why decisions had no prefill pick
         self._rng = random.Random()  # breaks ties between equally costed prefill replicas
 
     async def pick(self, hashes: list[int], prompt_tokens: int, decode_matched_blocks: int,
@@ -114,7 +116,7 @@ class PrefillPicker:
         self.picks += 1
         return PrefillPick(KvSource(best, handed), "picked", costs, unit)
 
-    def _skip(self, why: str) -> PrefillPick:
+    def _skip(self, why: Skipped) -> PrefillPick:
         self.skipped[why] += 1
         return PrefillPick(None, why)
 

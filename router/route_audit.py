@@ -30,7 +30,7 @@ def decision_record(policy: Policy, routed: Routed, replica_id: str, request_id:
     )
 
 
-def _prefill_fields(routed: Routed) -> dict:
+def _prefill_fields(routed: Routed) -> dict[str, object]:
     pick = routed.prefill
     if pick is None:
         return {}

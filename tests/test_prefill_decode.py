@@ -286,6 +286,23 @@ def test_a_hand_over_past_its_timeout_stops_on_the_prefill_replica(sim_app):
 
     decode = wait_until("a hand-over to learn the decode replica from", routed, timeout_s=180)["replica"]
     start = _handover_stats(sim_app, decode)
+
+    def decode_beat() -> dict[str, str]:
+        return sim_app.redis.hgetall(sim_app.keys.heartbeat(decode))
+
+    # the decode replica's heartbeat while the hand-over is in flight: sampled from before it is
+    # sent until it has timed out, so no part of its 10 s is missed
+    beats_in_flight: list[dict[str, str]] = []
+    sampled = threading.Event()
+
+    def sample() -> None:
+        while not sampled.is_set():
+            if int((b := decode_beat()).get("handovers_in_flight", 0)) >= 1:
+                beats_in_flight.append(b)
+            sampled.wait(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     done: dict = {}
     sender = threading.Thread(target=lambda: done.update(body=_complete(sim_app.url, _prompt(250 * BS))))
     sender.start()
@@ -300,16 +317,14 @@ def test_a_hand_over_past_its_timeout_stops_on_the_prefill_replica(sim_app):
         return None
 
     busy, before = wait_until("the prefill replica computing the long prompt", computing, timeout_s=120)
-
-    def decode_beat() -> dict[str, str]:
-        return sim_app.redis.hgetall(sim_app.keys.heartbeat(decode))
-
-    # the decode replica's heartbeat counts the request waiting on the hand-over (not in its engine yet)
-    beat = wait_until("the decode replica's heartbeat counting its hand-over in flight",
-                      lambda: b if int((b := decode_beat()).get("handovers_in_flight", 0)) >= 1 else None, timeout_s=60)
-    assert int(beat["waiting"]) >= int(beat["handovers_in_flight"]), beat
     wait_until("the hand-over timed out", lambda: _handover_stats(sim_app, decode)["timeouts"] > start["timeouts"],
                timeout_s=120)
+    sampled.set()
+    sampler.join(timeout=30)
+    # the decode replica's heartbeat counted the request waiting on the hand-over (not in its engine
+    # yet) as waiting, and drops it once the hand-over is given up on
+    assert beats_in_flight, "no decode heartbeat counted the hand-over in flight"
+    assert all(int(b["waiting"]) >= int(b["handovers_in_flight"]) for b in beats_in_flight), beats_in_flight[-1]
     wait_until("the decode replica's heartbeat without it", lambda: int(decode_beat().get("handovers_in_flight", 0)) == 0,
                timeout_s=60)
 

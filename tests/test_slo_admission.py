@@ -299,6 +299,9 @@ def test_queued_ahead_reads_the_breakdown_or_falls_back_to_the_totals():
     assert queued_ahead(load, -2) == (0, 64)  # the pull's tokens are ahead of everyone
     assert queued_ahead(load, 0) == (3, 314) and queued_ahead(load, 5) == (6, 1214)
     assert queued_ahead({"waiting": 6, "pending_prefill_tokens": 1150, "queued_by_priority": ""}, 0) == (6, 1150)
+    # two requests waiting on hand-overs (or pulls): in `waiting`, not in the engine's breakdown, ahead of everyone
+    handing = {**load, "waiting": 8, "handovers_in_flight": 2}
+    assert queued_ahead(handing, -2) == (2, 64) and queued_ahead(handing, 0) == (5, 314)
     with pytest.raises(ValueError):
         queued_ahead({"queued_by_priority": "0:x"}, 0)
 

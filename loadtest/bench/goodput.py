@@ -181,11 +181,11 @@ def run_mode(stack: LocalStack, config: AppConfig, model: str, mix: Mix, mode: s
 def run_coverage(first: dict[str, tuple[float, float]], last: dict[str, tuple[float, float]]) -> dict[str, dict[str, float | None]]:
     """The p90's coverage per objective over a mode's measured steps together: the requests judged
     against a prediction, how many it covered, and their share (None: none judged)."""
-    share = coverage(first, last)
     out: dict[str, dict[str, float | None]] = {}
     for objective, (n, covered) in last.items():
         n0, c0 = first.get(objective, (0.0, 0.0))
-        out[objective] = {"judged": n - n0, "covered": covered - c0, "share": share[objective]}
+        judged = n - n0
+        out[objective] = {"judged": judged, "covered": covered - c0, "share": (covered - c0) / judged if judged else None}
     return out
 
 

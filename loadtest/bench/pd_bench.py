@@ -231,11 +231,13 @@ async def kill_loop(fleet: Fleet, every_s: float, until_s: float, kills: list[di
             victim = await asyncio.to_thread(fleet.busy_prefill)
             if victim is None:
                 await asyncio.sleep(KILL_POLL_S)
-        if victim is not None and await asyncio.to_thread(fleet.kill_prefill, victim):
+        if victim is None:
+            print(f"  no prefill replica busy within {every_s / 2:.0f} s of {t:.0f} s: no kill", flush=True)
+        elif await asyncio.to_thread(fleet.kill_prefill, victim):
             kills.append({"at_s": round(time.perf_counter() - start, 1), "replica": victim})
             print(f"  killed prefill replica {victim} at {kills[-1]['at_s']} s", flush=True)
         else:
-            print(f"  no prefill replica busy within {every_s / 2:.0f} s of {t:.0f} s: no kill", flush=True)
+            print(f"  prefill replica {victim} was gone before its kill at {t:.0f} s", flush=True)
         t += every_s
 
 
@@ -433,7 +435,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="short prompts' tokens (default: 32-200 on sim, 16-128 on the model)")
     p.add_argument("--pd-threshold-tokens", type=int, default=256, help="uncached prompt tokens past which a prompt is handed over")
     p.add_argument("--kill-prefill-every", type=float, default=None, metavar="S",
-                   help="split arm: kill the busiest prefill replica every S seconds during the run")
+                   help="split arm: every S seconds (the first at S/2), kill a prefill replica with a hand-over in flight")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--port", type=int, default=8127)
     add_config_option(p, "time_scale=2")

@@ -48,7 +48,7 @@ class Decision(msgspec.Struct, tag="decision", kw_only=True, omit_defaults=True)
     capacity: dict[str, int] = {}  # device blocks of each scored replica, from its heartbeat
     cache_blind: bool = False  # the policy does not read matches (hashing, least-loaded, ...)
     # a model with prefill replicas: why the decision has its prefill pick (`route.prefill`; one of
-    # router/prefill_pick.py's PREFILL_WHY) and what each live prefill replica was priced at, in
+    # router/prefill_pick.py's PrefillWhy) and what each live prefill replica was priced at, in
     # `prefill_unit` ("s": the latency model's mean time to the prompt's first token; "tokens")
     prefill_why: str = ""
     prefill_costs: dict[str, float] = {}

@@ -142,14 +142,15 @@ def queued_ahead(load: Mapping[str, int | str], priority: int) -> tuple[int, int
     waiting, pending = int(load.get("waiting", 0) or 0), int(load.get("pending_prefill_tokens", 0) or 0)
     if not text:
         return waiting, pending
-    n = t = total = 0
-    for entry in str(text).split():  # one pass: the entries ahead, and every entry's tokens
+    n = t = total_requests = total_tokens = 0
+    for entry in str(text).split():  # one pass: the entries ahead, and every entry's work
         p, requests, tokens = (int(x) for x in entry.split(":"))
-        total += tokens
+        total_requests, total_tokens = total_requests + requests, total_tokens + tokens
         if p <= priority:
             n, t = n + requests, t + tokens
-    # work the breakdown does not hold (a pull's tokens counted in the totals) is ahead of everyone
-    return min(n, waiting), t + max(pending - total, 0)
+    # work the breakdown does not hold (pulls and hand-overs in flight, counted in the totals but
+    # not in the engine yet) is ahead of everyone
+    return min(n + max(waiting - total_requests, 0), waiting), t + max(pending - total_tokens, 0)
 
 
 def parse_heartbeat(values: list) -> dict[str, int | str] | None:
