@@ -259,19 +259,19 @@ def test_a_stack_without_tiers_exports_the_tier_row_at_zero(stack):
     replicas export every tier series for both media from start-up."""
     from gateway.config import AppConfig
     from router.protocol.media import LOWER_MEDIA
-    from tests.helpers.stack import side_app
+    from tests.helpers.stack import side_app, wait_until
 
     name = "notiers"
     config = AppConfig(redis_url=stack.config.redis_url, key_prefix=f"notiers-{uuid.uuid4().hex[:6]}", engine="sim",
                        replicas=1, num_blocks=64, block_size=16, max_model_len=1024, kv_host_mb=0, kv_disk_mb=0)
+
+    def tier_rows() -> dict[str, list[tuple[dict[str, str], float]]] | None:
+        scraped = scrape(stack.metrics_port)
+        rows = {m: [(lb, v) for lb, v in scraped.get(m, []) if lb.get("application") == name] for m in TIER_SERIES}
+        return rows if all({lb.get("medium") for lb, _ in rows[m]} >= set(LOWER_MEDIA) for m in TIER_SERIES) else None
+
     with side_app(stack, name, config):
-        deadline = time.monotonic() + 120  # a hang guard: Ray's agents export about every 10 s
-        while True:
-            rows = {m: [(lb, v) for lb, v in scrape(stack.metrics_port).get(m, []) if lb.get("application") == name]
-                    for m in TIER_SERIES}
-            if all({lb.get("medium") for lb, _ in rows[m]} >= set(LOWER_MEDIA) for m in TIER_SERIES):
-                break
-            assert time.monotonic() < deadline, {m: [lb.get("medium") for lb, _ in r] for m, r in rows.items()}
-            time.sleep(2)
+        # Ray's agents export about every 10 s: until the app's replica has exported every tier series
+        rows = wait_until("the app without tiers exporting every tier series for both media", tier_rows, timeout_s=120)
     assert {lb["direction"] for lb, _ in rows["ray_prefixgate_kv_tier_bytes_total"]} == {"in", "out"}
     assert all(v == 0 for r in rows.values() for _, v in r), rows  # no tier: no capacity, no traffic

@@ -179,13 +179,14 @@ def run_mode(stack: LocalStack, config: AppConfig, model: str, mix: Mix, mode: s
 
 
 def run_coverage(first: dict[str, tuple[float, float]], last: dict[str, tuple[float, float]]) -> dict[str, dict[str, float | None]]:
-    """The p90's coverage per objective over a mode's measured steps together: the requests judged
-    against a prediction, how many it covered, and their share (None: none judged)."""
+    """The p90's coverage per objective between two reads of the gateway's counters (a step, or a
+    mode's measured steps together): the requests judged against a prediction, how many it
+    covered, and their share (None: none judged)."""
     out: dict[str, dict[str, float | None]] = {}
     for objective, (n, covered) in last.items():
         n0, c0 = first.get(objective, (0.0, 0.0))
         judged = n - n0
-        out[objective] = {"judged": judged, "covered": covered - c0, "share": (covered - c0) / judged if judged else None}
+        out[objective] = {"judged": judged, "covered": covered - c0, "share": (covered - c0) / judged if judged > 0 else None}
     return out
 
 
@@ -204,11 +205,7 @@ def coverage_counts(base: str) -> dict[str, tuple[float, float]]:
 
 def coverage(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
     """The p90's coverage per objective over one step: covered / predictions (None: none judged)."""
-    out: dict[str, float | None] = {}
-    for objective, (n, covered) in after.items():
-        n0, c0 = before.get(objective, (0.0, 0.0))
-        out[objective] = (covered - c0) / (n - n0) if n > n0 else None
-    return out
+    return {objective: c["share"] for objective, c in run_coverage(before, after).items()}
 
 
 def _pct(x: float | None) -> str:

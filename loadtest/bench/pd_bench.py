@@ -170,7 +170,7 @@ class Fleet:
 
         def work(hb: dict[str, str]) -> int:
             return int(hb.get("pending_prefill_tokens", 0)) + 1000 * int(hb.get("running", 0))
-        busy = {rid: work(hb) for rid, hb in beats.items() if work(hb) > 0}
+        busy = {rid: w for rid, hb in beats.items() if (w := work(hb)) > 0}
         return max(busy, key=busy.__getitem__) if busy else None
 
     def kill_prefill(self, victim: str) -> bool:
